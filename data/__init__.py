@@ -1,0 +1,9 @@
+"""Token batches for training: corpora, tokenizer, packing and the rank-sharded loader.
+
+Every loader follows the `BatchLoader` protocol in `data.loader`; `build_loader` picks one from the
+`data` config group (`name` key).
+"""
+
+from data.loader import BatchLoader, build_loader
+
+__all__ = ["BatchLoader", "build_loader"]

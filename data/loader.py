@@ -1,0 +1,43 @@
+"""The loader protocol the train loop relies on, and the dispatch over data sources."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class BatchLoader(Protocol):
+    """A deterministic, resumable source of micro-batches for one data-parallel rank.
+
+    `next_batch()` returns {"input_ids": int64 [B, T], "labels": int64 [B, T]} where labels[:, t] is the
+    token after input_ids[:, t] (-100 = ignored), and optionally "doc_ids": int64 [B, T] (document index
+    within the row, for attention masking at EOS). `state_dict()` captures the position so that, after
+    `load_state_dict`, the next batch is exactly the one that would have come next.
+    """
+
+    vocab_size: int
+
+    def next_batch(self) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def build_loader(
+    cfg: Mapping[str, Any], *, seq_len: int, micro_batch_size: int, rank: int = 0, world_size: int = 1,
+    seed: int = 0,
+) -> BatchLoader:
+    """Build the loader named by `cfg["name"]` for data-parallel rank `rank` of `world_size`."""
+    name = cfg.get("name")
+    if name == "synthetic":
+        from data.synthetic import SyntheticLoader
+
+        return SyntheticLoader(
+            vocab_size=int(cfg["vocab_size"]), seq_len=seq_len, micro_batch_size=micro_batch_size,
+            rank=rank, world_size=world_size, seed=int(cfg.get("seed", seed)),
+        )
+    raise ValueError(f"data.name={name!r} is not a known data source (known: synthetic)")
