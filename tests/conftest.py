@@ -1,0 +1,32 @@
+"""Shared test setup: `gpu` tests skip without CUDA; Triton kernels run in the interpreter on CPU."""
+
+from __future__ import annotations
+
+import os
+
+# Triton reads TRITON_INTERPRET when a kernel is first decorated/launched; set it before any kernel module
+# is imported so that kernels run on CPU tensors in CI. GPU runs set TRITON_INTERPRET=0 explicitly.
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("LING_TEST_GPU") == "1" else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def triton_interpreter():
+    """Run Triton kernels on CPU tensors with the interpreter's e4m3 cast fixed (see tests/triton_cpu.py)."""
+    from tests.triton_cpu import fixed_fp8_cast, interpreter_available
+
+    if not interpreter_available():
+        pytest.skip("triton is not installed")
+    with fixed_fp8_cast():
+        yield
