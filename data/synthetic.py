@@ -9,7 +9,9 @@ import torch
 
 
 class SyntheticLoader:
-    """Uniform random tokens; batch `i` of rank `r` depends only on (seed, i, r), so it is resumable."""
+    """Uniform random tokens. Step `i` draws one *global* batch of micro_batch_size·world_size rows from
+    (seed, i) and rank r takes its rows, so N ranks see exactly the batch one rank would see with an N×
+    larger micro-batch (what the data-parallel equivalence tests rely on); resumable from `step`."""
 
     def __init__(self, vocab_size: int, seq_len: int, micro_batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0) -> None:
@@ -24,8 +26,10 @@ class SyntheticLoader:
         self.step = 0
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step * self.world_size + self.rank)
-        tokens = torch.randint(0, self.vocab_size, (self.micro_batch_size, self.seq_len + 1), generator=gen)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step)
+        rows = self.micro_batch_size * self.world_size
+        tokens = torch.randint(0, self.vocab_size, (rows, self.seq_len + 1), generator=gen)
+        tokens = tokens[self.rank * self.micro_batch_size:(self.rank + 1) * self.micro_batch_size]
         self.step += 1
         return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 

@@ -1,0 +1,148 @@
+"""`ModelConfig`: every option of the Ling MoE model, and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of a Ling-mini-2.0-style MoE causal LM with MTP heads.
+
+    Defaults are Ling-mini-2.0 as published (BailingMoeV2). `vocab_size=None` means "take it from the
+    tokenizer" and must be resolved before the model is built.
+    """
+
+    vocab_size: int | None = 157184
+    hidden_size: int = 2048
+    num_layers: int = 20
+    num_dense_layers: int = 1  # the first k layers use a dense SwiGLU MLP ("first_k_dense_replace")
+    dense_intermediate_size: int = 5120
+    # attention
+    num_heads: int = 16
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    rotary_fraction: float = 0.5  # RoPE on the first head_dim * rotary_fraction dims
+    rope_base: float = 600000.0
+    rms_eps: float = 1e-6
+    init_std: float = 0.02
+    # MoE
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    num_shared_experts: int = 1
+    expert_intermediate_size: int = 512
+    num_expert_groups: int = 8
+    topk_groups: int = 4
+    routed_scaling_factor: float = 2.5
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing; 0 disables the update
+    z_loss_coef: float = 3.5e-6
+    aux_loss_coef: float = 0.0
+    # Multi-Token Prediction
+    num_mtp_layers: int = 1
+    mtp_loss_weight: float = 0.1
+    # numerics of the linear layers: "bf16" (plain nn.Linear in the engine's dtype) or "fp8" (FP8Linear)
+    precision: str = "bf16"
+    fp8_recipe: str = "blockwise"  # "blockwise" (1x128 / 128x128) or "tensorwise"
+    fp8_pow2_scales: bool = False
+    # memory
+    activation_checkpointing: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Raise ValueError naming the offending key when the shape options don't fit together."""
+
+        def need(cond: bool, key: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"model.{key}: {msg}")
+
+        if self.vocab_size is not None:
+            need(self.vocab_size > 0, "vocab_size", f"must be positive, got {self.vocab_size}")
+        need(self.hidden_size > 0, "hidden_size", f"must be positive, got {self.hidden_size}")
+        need(self.num_heads > 0, "num_heads", f"must be positive, got {self.num_heads}")
+        need(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+             f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        need(self.hidden_size % self.num_heads == 0, "num_heads",
+             f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}")
+        need(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", f"must be positive and even, got {self.head_dim}")
+        rot = self.rotary_dim
+        need(0 < rot <= self.head_dim and rot % 2 == 0, "rotary_fraction",
+             f"head_dim*rotary_fraction={self.head_dim * self.rotary_fraction} must be an even int in (0, head_dim]")
+        need(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
+             f"must be in [0, num_layers={self.num_layers}], got {self.num_dense_layers}")
+        need(self.num_experts > 0, "num_experts", f"must be positive, got {self.num_experts}")
+        need(self.num_expert_groups > 0 and self.num_experts % self.num_expert_groups == 0, "num_expert_groups",
+             f"num_expert_groups={self.num_expert_groups} must divide num_experts={self.num_experts}")
+        need(1 <= self.topk_groups <= self.num_expert_groups, "topk_groups",
+             f"must be in [1, num_expert_groups={self.num_expert_groups}], got {self.topk_groups}")
+        per_group = self.num_experts // self.num_expert_groups
+        need(per_group >= 2, "num_expert_groups", "each group needs >= 2 experts (group score = sum of its top-2)")
+        need(1 <= self.num_experts_per_tok <= self.topk_groups * per_group, "num_experts_per_tok",
+             f"must be in [1, topk_groups * experts_per_group = {self.topk_groups * per_group}]")
+        need(self.num_mtp_layers >= 0, "num_mtp_layers", f"must be >= 0, got {self.num_mtp_layers}")
+        need(self.precision in ("bf16", "fp8"), "precision", f"must be 'bf16' or 'fp8', got {self.precision!r}")
+        need(self.fp8_recipe in ("blockwise", "tensorwise"), "fp8_recipe",
+             f"must be 'blockwise' or 'tensorwise', got {self.fp8_recipe!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def rotary_dim(self) -> int:
+        return int(round(self.head_dim * self.rotary_fraction))
+
+    @property
+    def is_moe_layer(self) -> list[bool]:
+        return [i >= self.num_dense_layers for i in range(self.num_layers)]
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a plain mapping (e.g. a Hydra node); unknown keys raise naming the key."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = dict(d)
+        preset = d.pop("preset", None)
+        d.pop("name", None)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"model.{unknown[0]}: unknown model config key (known: {', '.join(sorted(known))})")
+        if preset is not None:
+            return cls.preset(preset, **d)
+        return cls(**d)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """`tiny` (CPU tests and demo), `ling_mini_2_0` (16.3B), `ling_mini_2_0_l6` (the 1-GPU proxy)."""
+        if name not in PRESETS:
+            raise ValueError(f"model preset {name!r} is unknown (known: {', '.join(PRESETS)})")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "ling_mini_2_0": {},
+    # Same width, 1 dense + 5 MoE layers + MTP: ~5.6B parameters, fits one 141 GB GPU with fp32 Adam.
+    "ling_mini_2_0_l6": {"num_layers": 6},
+    # Small enough to train for 100+ steps on 2 CPU cores in a few minutes; keeps every mechanism
+    # (GQA, half RoPE, group-limited routing, shared expert, MTP) and 128-multiple dims for FP8.
+    "tiny": {
+        "vocab_size": 8192,
+        "hidden_size": 128,
+        "num_layers": 3,
+        "num_dense_layers": 1,
+        "dense_intermediate_size": 384,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "num_shared_experts": 1,
+        "expert_intermediate_size": 128,
+        "num_expert_groups": 4,
+        "topk_groups": 2,
+    },
+}

@@ -1,0 +1,202 @@
+"""`LingForCausalLM`: the Ling MoE decoder with Multi-Token-Prediction heads and its losses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.config import ModelConfig
+from model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from model.moe import MoE, Router, RouterOutput
+
+IGNORE_INDEX = -100
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is dense or MoE."""
+
+    def __init__(self, config: ModelConfig, moe: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.attention = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.mlp: nn.Module = MoE(config) if moe else MLP(config.hidden_size, config.dense_intermediate_size, config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] → (x [B, T, H], router losses fp32 [2] = (z_loss, aux_loss), zeros for dense)."""
+        x = x + self.attention(self.input_layernorm(x), cos, sin, doc_ids)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            out, routing = self.mlp(h)
+            losses = torch.stack([routing.z_loss, routing.aux_loss])
+        else:
+            out, losses = self.mlp(h), torch.zeros(2, device=x.device)
+        return x + out, losses
+
+
+class MTPLayer(nn.Module):
+    """One MTP depth: h' = final_norm(layer(eh_proj(cat[enorm(embed(ids shifted by d)), hnorm(h)])))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)  # stays high precision
+        self.transformer_layer = DecoderLayer(config, moe=True)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        x, losses = self.transformer_layer(x, cos, sin, doc_ids)
+        return self.final_layernorm(x), losses
+
+
+@dataclass
+class LingOutput:
+    logits: torch.Tensor  # [B, T, V] in the compute dtype
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)  # one [B, T, V] per MTP depth
+    loss: torch.Tensor | None = None  # lm_loss + mtp_weight · mean(mtp) + z + aux
+    lm_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None  # mean CE over MTP depths (unweighted); None without MTP
+    z_loss: torch.Tensor | None = None  # weighted, summed over MoE layers
+    aux_loss: torch.Tensor | None = None  # weighted, summed over MoE layers
+
+
+def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """[B, T] → [B, T] with out[:, t] = x[:, t + k] and `fill` in the last k positions (no row leakage)."""
+    if k == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if k < x.shape[1]:
+        out[:, :-k] = x[:, k:]
+    return out
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean CE over labels != -100, computed in fp32; 0 (with grad) when every label is ignored."""
+    logits = logits.float().view(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    if not (labels != IGNORE_INDEX).any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+
+
+class LingForCausalLM(nn.Module):
+    """Embedding → decoder layers (dense first, then MoE) → final norm → LM head, plus MTP depths.
+
+    forward(input_ids int64 [B, T], labels int64 [B, T] | None, doc_ids int64 [B, T] | None) → LingOutput.
+    labels[:, t] is the token after input_ids[:, t]; MTP depth d predicts labels shifted d more positions.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("model.vocab_size is None: resolve it from the tokenizer before building the model")
+        self.config = config
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, moe) for moe in config.is_moe_layer)
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp_layers = nn.ModuleList(MTPLayer(config) for _ in range(config.num_mtp_layers))
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_base)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for every matrix, ones for norm gains, zero expert bias."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("weight"):  # RMSNorm gains
+                nn.init.ones_(p)
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.expert_bias.zero_()
+
+    def routers(self) -> list[Router]:
+        return [m for m in self.modules() if isinstance(m, Router)]
+
+    def _run_layer(self, layer: nn.Module, *args):
+        if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> LingOutput:
+        cfg = self.config
+        B, T = input_ids.shape
+        cos, sin = self.rotary.cos_sin(torch.arange(T, device=input_ids.device))
+        x = self.word_embeddings(input_ids)
+        router_losses = torch.zeros(2, device=x.device)
+        for layer in self.layers:
+            x, losses = self._run_layer(layer, x, cos, sin, doc_ids)
+            router_losses = router_losses + losses
+        h = self.norm(x)
+        logits = self.lm_head(h)
+
+        mtp_logits: list[torch.Tensor] = []
+        mtp_losses: list[torch.Tensor] = []
+        for depth, mtp in enumerate(self.mtp_layers, start=1):
+            emb = self.word_embeddings(shift_left(input_ids, depth, 0))
+            ids_doc = None if doc_ids is None else doc_ids  # positions are unchanged by the shift
+            h, losses = self._run_layer(mtp, emb, h, cos, sin, ids_doc)
+            router_losses = router_losses + losses
+            mtp_logits.append(self.lm_head(h))
+            if labels is not None:
+                mtp_losses.append(cross_entropy(mtp_logits[-1], shift_left(labels, depth, IGNORE_INDEX)))
+
+        out = LingOutput(logits=logits, mtp_logits=mtp_logits)
+        if labels is not None:
+            out.lm_loss = cross_entropy(logits, labels)
+            out.z_loss = cfg.z_loss_coef * router_losses[0]
+            out.aux_loss = cfg.aux_loss_coef * router_losses[1]
+            out.loss = out.lm_loss + out.z_loss + out.aux_loss
+            if mtp_losses:
+                out.mtp_loss = torch.stack(mtp_losses).mean()
+                out.loss = out.loss + cfg.mtp_loss_weight * out.mtp_loss
+        return out
+
+
+@dataclass
+class ParameterCount:
+    total: int  # every parameter, MTP excluded
+    activated: int  # parameters one token touches (k routed + shared experts), MTP excluded
+    mtp: int  # parameters of the MTP layers
+    mtp_activated: int
+
+    def __str__(self) -> str:
+        def b(n: int) -> str:
+            return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+        return (f"{b(self.total)} total / {b(self.activated)} activated parameters "
+                f"(+{b(self.mtp)} total / {b(self.mtp_activated)} activated in MTP)")
+
+
+def count_parameters(config: ModelConfig) -> ParameterCount:
+    """Count on the meta device (no memory): total and activated, main model and MTP separately."""
+    with torch.device("meta"):
+        model = LingForCausalLM(config)
+    inactive_frac = 1.0 - config.num_experts_per_tok / config.num_experts
+
+    def count(modules) -> tuple[int, int]:
+        total = inactive = 0
+        for name, p in modules:
+            total += p.numel()
+            if ".experts." in f".{name}":
+                inactive += int(p.numel() * inactive_frac)
+        return total, total - inactive
+
+    mtp_params = [(n, p) for n, p in model.named_parameters() if n.startswith("mtp_layers.")]
+    main_params = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp_layers.")]
+    total, act = count(main_params)
+    mtp_total, mtp_act = count(mtp_params)
+    return ParameterCount(total, act, mtp_total, mtp_act)
+
+
+__all__ = ["LingForCausalLM", "LingOutput", "count_parameters", "ParameterCount", "RouterOutput", "shift_left"]
