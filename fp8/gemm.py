@@ -1,0 +1,217 @@
+"""Dense blockwise FP8 GEMMs (Triton, Hopper-tuned) and their PyTorch references.
+
+`fp8_gemm(a, a_scale, b, b_scale)` computes a·bᵀ [M, N] for E4M3 a [M, K] with 1x128 scales [M, KB] and
+E4M3 b [N, K] with 128x128 scales [NB, KB] (forward y = x·Wᵀ and dgrad dx = dy·W with W transposed on
+demand). `fp8_gemm_wgrad(a, a_scale, b, b_scale)` is the same product with both operands 1x128-scaled along
+the reduction dim (wgrad dW = dyᵀ·x from the token-dim quantized dyᵀ [N, M] and xᵀ [K, M]), fp32 output.
+
+Maths of the kernel, per output tile: acc = Σ_kb dot_fp32(a[:, kb], b[:, kb]) · sa[:, kb] · sb[:, kb], where
+each 128-wide K block is multiplied on the tensor cores into a fresh fp32 accumulator and then promoted
+into the running fp32 sum with both scales applied in fp32 (DeepSeek-V3's per-block promotion); the output is
+cast once at the end. Tails in M, N and K are masked (K tails load zeros, which add nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
+from fp8.quant import dequantize_1x128, dequantize_128x128
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["GemmConfig", "fp8_gemm", "fp8_gemm_ref", "fp8_gemm_wgrad", "fp8_gemm_wgrad_ref", "set_gemm_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of the Triton GEMM (BLOCK_K is fixed at 128, the scale block)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+# Per-kind override (used by the benchmark's sweep); None -> `_default_config`.
+_OVERRIDE: dict[str, GemmConfig | None] = {"fprop": None, "wgrad": None}
+
+
+def set_gemm_config(kind: str, cfg: GemmConfig | None) -> None:
+    """Force a tile config for `kind` in {"fprop", "wgrad"} ("fprop" covers forward and dgrad); None resets."""
+    if kind not in _OVERRIDE:
+        raise ValueError(f"kind must be one of {sorted(_OVERRIDE)}, got {kind!r}")
+    _OVERRIDE[kind] = cfg
+
+
+def _default_config(m: int, n: int, k: int, kind: str) -> GemmConfig:
+    cfg = _OVERRIDE[kind]
+    if cfg is not None:
+        return cfg
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return GemmConfig(block_m=64, block_n=64, group_m=4)  # small tiles keep the CPU interpreter fast
+    if m <= 64:
+        return GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References: dequantize, multiply in fp32 (CPU) - the same maths up to fp32 summation order.
+# ----------------------------------------------------------------------------------------------------------
+def fp8_gemm_ref(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.bfloat16
+) -> torch.Tensor:
+    """a [M, K] E4M3 (1x128 scales [M, KB]) · b [N, K] E4M3 (128x128 scales [NB, KB])ᵀ -> [M, N] out_dtype."""
+    return (dequantize_1x128(a, a_scale) @ dequantize_128x128(b, b_scale).t()).to(out_dtype)
+
+
+def fp8_gemm_wgrad_ref(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype=torch.float32
+) -> torch.Tensor:
+    """a [M, K] (1x128 scales [M, KB]) · b [N, K] (1x128 scales [N, KB])ᵀ -> [M, N] (fp32 by default)."""
+    return (dequantize_1x128(a, a_scale) @ dequantize_1x128(b, b_scale).t()).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp8_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+        M, N, K,
+        stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+        stride_asm, stride_ask, stride_bsn, stride_bsk,
+        B_BLOCKWISE: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        BLOCK_K: tl.constexpr = 128
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        # grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # wrap out-of-range rows onto valid ones so the main loop needs no M/N masks (their results are
+        # never stored)
+        offs_am = offs_m % M
+        offs_bn = offs_n % N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
+        as_ptrs = as_ptr + offs_am * stride_asm
+        if B_BLOCKWISE:
+            bs_ptrs = bs_ptr + (offs_bn // 128) * stride_bsn
+        else:
+            bs_ptrs = bs_ptr + offs_bn * stride_bsn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        num_kb = tl.cdiv(K, BLOCK_K)
+        for kb in range(0, num_kb):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k < K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            sa = tl.load(as_ptrs + kb * stride_ask)
+            sb = tl.load(bs_ptrs + kb * stride_bsk)
+            part = tl.dot(a, tl.trans(b))  # fresh fp32 accumulator for this 128-wide K block
+            acc += part * (sa[:, None] * sb[None, :])
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        c = acc.to(c_ptr.dtype.element_ty)
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, c, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int, int]:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        raise TypeError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    m, k = a.shape
+    n, k2 = b.shape
+    if k != k2:
+        raise ValueError(f"reduction dims differ: a is [M={m}, K={k}], b is [N={n}, K={k2}]")
+    kb = cdiv(k, BLOCK)
+    want_b = (cdiv(n, BLOCK), kb) if b_blockwise else (n, kb)
+    if tuple(a_scale.shape) != (m, kb):
+        raise ValueError(f"a_scale must be [M, ceil(K/128)] = {(m, kb)}, got {tuple(a_scale.shape)}")
+    if tuple(b_scale.shape) != want_b:
+        raise ValueError(f"b_scale must be {want_b}, got {tuple(b_scale.shape)}")
+    if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+        raise TypeError(f"scales must be float32, got {a_scale.dtype} and {b_scale.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"a on {a.device}, b on {b.device}")
+    return m, n, k
+
+
+def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> torch.Tensor:
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    cfg = _default_config(m, n, k, kind)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
+    _fp8_gemm_kernel[grid](
+        a, b, c, a_scale, b_scale, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        B_BLOCKWISE=b_blockwise, EVEN_K=(k % BLOCK == 0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """a·bᵀ [M, N] in out_dtype: a [M, K] E4M3 with 1x128 scales [M, ceil(K/128)] (any strides),
+    b [N, K] E4M3 with 128x128 scales [ceil(N/128), ceil(K/128)]; fp32 accumulation, scales per K block."""
+    _check_operands(a, a_scale, b, b_scale, b_blockwise=True)
+    if not use_triton(a, backend):
+        return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
+    return _launch(a, a_scale, b, b_scale, out_dtype, True, "fprop")
+
+
+def fp8_gemm_wgrad(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """a·bᵀ [M, N] with both operands 1x128-scaled along the reduction dim: a [M, K] scale [M, KB],
+    b [N, K] scale [N, KB] (wgrad: a = dyᵀ [N_out, tokens], b = xᵀ [K_in, tokens]); fp32 output."""
+    _check_operands(a, a_scale, b, b_scale, b_blockwise=False)
+    if not use_triton(a, backend):
+        return fp8_gemm_wgrad_ref(a, a_scale, b, b_scale, out_dtype)
+    return _launch(a, a_scale, b, b_scale, out_dtype, False, "wgrad")

@@ -1,0 +1,211 @@
+"""`FP8Linear`: a drop-in `nn.Linear` whose three GEMMs run in blockwise FP8 (DeepSeek-V3 / Ling 2.0 recipe).
+
+recipe="blockwise" (the default):
+- forward  y  = x·Wᵀ : x quantized 1x128 (along K), W 128x128; bf16 (input dtype) output.
+- dgrad    dx = dy·W : dy quantized 1x128 along N; Wᵀ built on demand from the cached FP8 W by an FP8
+  transpose (block scales transposed with it), freed after use: no persistent transposed copy.
+- wgrad    dW = dyᵀ·x: dyᵀ and xᵀ quantized 1x128 along the token dim (dy in the same pass that quantizes
+  it for dgrad; x rebuilt from the FP8 x saved in forward, dequantized in registers and re-quantized
+  along tokens); fp32 GEMM output, cast to the weight's dtype.
+- saved for backward: the FP8 x and its scales (about half the bytes of a bf16 x) and the cached FP8 W.
+recipe="tensorwise": one current scale per tensor for x, W and dy (the comparison recipe); GEMMs through
+`torch._scaled_mm` on CUDA (dims multiples of 16) else the dequantize+matmul reference.
+
+Weight cache: W is quantized once and reused for as long as the cache key is unchanged. The key is
+(weight.data_ptr(), weight._version, shape, dtype, device, recipe, pow2, generation): an optimizer's
+in-place update bumps `_version`, so W is re-quantized once per optimizer step and reused across the
+micro-batches of gradient accumulation. `generation` is a global counter bumped by
+`invalidate_fp8_weight_caches()`: call it after a step if parameters are ever rewritten behind autograd's
+back (e.g. a ZeRO-3 re-gather into the same buffer). `module.invalidate_weight_cache()` drops one cache.
+
+Devices: CUDA tensors run the Triton kernels; CPU tensors run the same maths in PyTorch (fp8/quant.py and
+fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 out).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8._triton_utils import E4M3
+from fp8.gemm import fp8_gemm, fp8_gemm_wgrad
+from fp8.health import health_stats
+from fp8.quant import (
+    fp8_transpose_128x128,
+    quantize_1x128,
+    quantize_1x128_dual,
+    quantize_1x128_transposed,
+    quantize_128x128,
+    quantize_tensorwise,
+)
+
+__all__ = ["FP8Linear", "invalidate_fp8_weight_caches", "RECIPES"]
+
+RECIPES = ("blockwise", "tensorwise")
+_GENERATION = [0]
+
+
+def invalidate_fp8_weight_caches() -> None:
+    """Make every FP8Linear re-quantize its weight at its next forward."""
+    _GENERATION[0] += 1
+
+
+def _record_health(module: Any, stats: dict[str, float]) -> None:
+    if module is not None:
+        module.health.update(stats)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# blockwise recipe
+# ----------------------------------------------------------------------------------------------------------
+class _BlockwiseFP8Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any):  # x [M, K], weight [N, K]
+        x_q, x_s = quantize_1x128(x, pow2)
+        y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
+        ctx.save_for_backward(x_q, x_s, w_q, w_s)
+        ctx.pow2, ctx.x_dtype, ctx.w_dtype = pow2, x.dtype, weight.dtype
+        ctx.module = module  # set only while health is being collected
+        if module is not None:
+            _record_health(module, health_stats("act", x, x_q))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_q, x_s, w_q, w_s = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if need_dx and need_dw:
+            dy_q, dy_s, dyt_q, dyt_s = quantize_1x128_dual(dy, ctx.pow2)  # one read of dy, both layouts
+        elif need_dx:
+            dy_q, dy_s = quantize_1x128(dy, ctx.pow2)
+        elif need_dw:
+            dyt_q, dyt_s = quantize_1x128_transposed(dy, None, ctx.pow2)
+        if need_dx:
+            wt_q, wt_s = fp8_transpose_128x128(w_q, w_s)  # on demand, freed after this GEMM
+            dx = fp8_gemm(dy_q, dy_s, wt_q, wt_s, out_dtype=ctx.x_dtype)
+            del wt_q, wt_s
+        if need_dw:
+            xt_q, xt_s = quantize_1x128_transposed(x_q, x_s, ctx.pow2)
+            dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=torch.float32).to(ctx.w_dtype)
+        if ctx.module is not None:
+            if need_dx:
+                _record_health(ctx.module, health_stats("grad", dy, dy_q))
+            if need_dw:
+                _record_health(ctx.module, health_stats("gradT", dy.t(), dyt_q))
+        return dx, dw, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tensorwise recipe (comparison)
+# ----------------------------------------------------------------------------------------------------------
+def _tensorwise_mm(a_q, a_s, b_q, b_s, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] · b [N, K]ᵀ with one scale each; cuBLAS on CUDA when the shapes allow, else reference."""
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    if a_q.is_cuda and k % 16 == 0 and n % 16 == 0 and hasattr(torch, "_scaled_mm"):
+        return torch._scaled_mm(a_q, b_q.t(), scale_a=a_s, scale_b=b_s, out_dtype=out_dtype)
+    return ((a_q.float() * a_s) @ (b_q.float() * b_s).t()).to(out_dtype)
+
+
+class _TensorwiseFP8Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any):
+        x_q, x_s = quantize_tensorwise(x)
+        y = _tensorwise_mm(x_q, x_s, w_q, w_s, x.dtype)
+        ctx.save_for_backward(x_q, x_s, w_q, w_s)
+        ctx.x_dtype, ctx.w_dtype, ctx.module = x.dtype, weight.dtype, module
+        if module is not None:
+            _record_health(module, health_stats("act", x, x_q))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_q, x_s, w_q, w_s = ctx.saved_tensors
+        dy = dy.reshape(-1, dy.shape[-1])
+        dy_q, dy_s = quantize_tensorwise(dy)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _tensorwise_mm(dy_q, dy_s, w_q.t().contiguous(), w_s, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dyt = dy_q.t().contiguous()
+            dw = _tensorwise_mm(dyt, dy_s, x_q.t().contiguous(), x_s, torch.float32).to(ctx.w_dtype)
+            if ctx.module is not None:
+                _record_health(ctx.module, health_stats("gradT", dy.t(), dyt))
+        if ctx.module is not None:
+            _record_health(ctx.module, health_stats("grad", dy, dy_q))
+        return dx, dw, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# module
+# ----------------------------------------------------------------------------------------------------------
+class FP8Linear(nn.Linear):
+    """nn.Linear with FP8 GEMMs. Same constructor, `weight`/`bias` Parameters and state_dict keys.
+
+    Input [..., in_features] of any float dtype; output [..., out_features] in the input's dtype. `bias`
+    is supported (added in the input dtype after the FP8 GEMM). Set `collect_health = True` to have the
+    next forward+backward fill `health` with act/grad/gradT/weight underflow and distortion.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        recipe: str = "blockwise",
+        pow2_scales: bool = False,
+    ) -> None:
+        if recipe not in RECIPES:
+            raise ValueError(f"FP8Linear recipe must be one of {RECIPES}, got {recipe!r}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe
+        self.pow2_scales = bool(pow2_scales)
+        self.collect_health: bool = False
+        self.health: dict[str, float] = {}
+        self._wcache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}, pow2_scales={self.pow2_scales}"
+
+    def invalidate_weight_cache(self) -> None:
+        self._wcache = None
+
+    def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_fp8 [N, K], scale) for the current weight, from the cache when the weight is unchanged."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, self.recipe, self.pow2_scales,
+               _GENERATION[0])  # fmt: skip
+        if self._wcache is None or self._wcache[0] != key:
+            with torch.no_grad():
+                if self.recipe == "blockwise":
+                    q, s = quantize_128x128(w.detach(), self.pow2_scales)
+                else:
+                    q, s = quantize_tensorwise(w.detach())
+            self._wcache = (key, q, s)
+        return self._wcache[1], self._wcache[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}")
+        if not x.dtype.is_floating_point or x.dtype == E4M3:
+            raise TypeError(f"FP8Linear input must be a high-precision float tensor, got {x.dtype}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        w_q, w_s = self.quantized_weight()
+        module = None
+        if self.collect_health:
+            self.health = health_stats("weight", self.weight.detach(), w_q)
+            module = self
+        fn = _BlockwiseFP8Fn if self.recipe == "blockwise" else _TensorwiseFP8Fn
+        y = fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, module)
+        y = y.reshape(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
