@@ -29,15 +29,25 @@ class BatchLoader(Protocol):
 
 def build_loader(
     cfg: Mapping[str, Any], *, seq_len: int, micro_batch_size: int, rank: int = 0, world_size: int = 1,
-    seed: int = 0,
+    seed: int = 0, split: str = "train",
 ) -> BatchLoader:
-    """Build the loader named by `cfg["name"]` for data-parallel rank `rank` of `world_size`."""
+    """Build the loader named by `cfg["name"]` for data-parallel rank `rank` of `world_size`.
+
+    `bundled` and `files` prepare real text (tokenizer + packed shards, cached; see data/text_loader.py);
+    `split="val"` gives their held-out documents. `synthetic` is seeded random tokens (no I/O).
+    """
     name = cfg.get("name")
+    if name in ("bundled", "files"):
+        from data.text_loader import build_text_loader
+
+        return build_text_loader(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, rank=rank,
+                                 world_size=world_size, seed=seed, split=split)
     if name == "synthetic":
         from data.synthetic import SyntheticLoader
 
         return SyntheticLoader(
             vocab_size=int(cfg["vocab_size"]), seq_len=seq_len, micro_batch_size=micro_batch_size,
             rank=rank, world_size=world_size, seed=int(cfg.get("seed", seed)),
+            kind=str(cfg.get("kind", "uniform")), branching=int(cfg.get("branching", 4)),
         )
-    raise ValueError(f"data.name={name!r} is not a known data source (known: synthetic)")
+    raise ValueError(f"data.name={name!r} is not a known data source (known: bundled, files, synthetic)")

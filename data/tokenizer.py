@@ -1,0 +1,151 @@
+"""Sentencepiece tokenizer: train a BPE model on the corpus (cached by a hash of its inputs) or load one.
+
+Training keeps text exact so every document round-trips: identity normalisation, no whitespace collapsing,
+whitespace-only pieces allowed (code indentation), "\\n" a piece of its own, digits split, and byte fallback
+for any character outside the learned vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import asdict
+from typing import Any
+
+import datasets
+import numpy as np
+import sentencepiece as spm
+from filelock import FileLock
+
+from data.config import DataError, TokenizerConfig
+
+TOKENIZER_FORMAT = 1
+
+
+class Tokenizer:
+    """A loaded sentencepiece model with the ids the packer and loader need."""
+
+    def __init__(self, model_path: str) -> None:
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(f"tokenizer model {model_path!r}: no such file")
+        self.model_path = os.path.abspath(model_path)
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.load(self.model_path)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"tokenizer model {model_path!r} is not a sentencepiece model: {e}") from e
+        self.vocab_size = int(self.sp.get_piece_size())
+        self.eos_id = int(self.sp.eos_id())
+        self.bos_id = int(self.sp.bos_id())
+        self.pad_id = int(self.sp.pad_id())
+        self.unk_id = int(self.sp.unk_id())
+        if self.eos_id < 0:
+            raise DataError(f"tokenizer model {model_path!r} has no EOS piece; documents need one")
+        with open(self.model_path, "rb") as f:
+            self.hash = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+    def encode(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return self.sp.encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+
+def _training_sentences(ds: datasets.Dataset, cfg: TokenizerConfig, seed: int) -> list[str]:
+    """A seeded sample of the corpus, as blocks of whole lines (newlines kept), about cfg.train_chars long.
+
+    Sentencepiece trains on "sentences"; feeding blocks of lines rather than single lines lets it learn
+    "\\n" and indentation pieces. Lines longer than max_sentence_chars are cut.
+    """
+    order = np.random.default_rng([seed, 7]).permutation(len(ds))
+    out: list[str] = []
+    total, limit = 0, cfg.max_sentence_chars
+    for start in range(0, len(order), 256):
+        for text in ds.select(np.sort(order[start:start + 256]))["text"]:
+            cur, n = [], 0
+            for line in text.split("\n"):
+                while len(line) > limit:
+                    out.append(line[:limit])
+                    total += limit
+                    line = line[limit:]
+                if n + len(line) + 1 > limit and cur:
+                    out.append("\n".join(cur))
+                    cur, n = [], 0
+                cur.append(line)
+                n += len(line) + 1
+            if cur and n > 1:
+                out.append("\n".join(cur))
+            total += len(text)
+        if total >= cfg.train_chars:
+            break
+    return out
+
+
+def tokenizer_key(cfg: TokenizerConfig, corpus_fingerprint: str, seed: int) -> str:
+    spec = {k: v for k, v in asdict(cfg).items() if k not in ("model", "num_threads", "add_bos")}
+    spec.update(corpus=corpus_fingerprint, seed=seed, spm=spm.__version__, format=TOKENIZER_FORMAT)
+    return hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def train_tokenizer(ds: datasets.Dataset, cfg: TokenizerConfig, out_path: str, seed: int = 0) -> None:
+    """Train a sentencepiece model on `ds["text"]` and write it atomically to `out_path`."""
+    sentences = _training_sentences(ds, cfg, seed)
+    if not sentences:
+        raise DataError("cannot train a tokenizer on an empty corpus")
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=buf, model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size, byte_fallback=cfg.byte_fallback,
+            character_coverage=cfg.character_coverage, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
+            user_defined_symbols=["\n"], pad_id=cfg.pad_id, eos_id=cfg.eos_id, bos_id=cfg.bos_id,
+            unk_id=cfg.unk_id, max_sentence_length=4 * cfg.max_sentence_chars + 16,
+            num_threads=cfg.num_threads or os.cpu_count() or 1, minloglevel=2,
+        )
+    except RuntimeError as e:
+        msg = str(e)
+        m = re.search(r"<= (\d+)", msg)
+        if "Vocabulary size" in msg or "vocab_size" in msg:
+            limit = f" (at most {m.group(1)})" if m else ""
+            raise DataError(f"data.tokenizer.vocab_size={cfg.vocab_size} is larger than this corpus supports"
+                            f"{limit}: lower it or add text (sentencepiece: {msg.strip()})") from e
+        raise DataError(f"sentencepiece training failed: {msg}") from e
+    tmp = f"{out_path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, out_path)
+
+
+def get_tokenizer(cfg: TokenizerConfig, train_ds: datasets.Dataset | None, corpus_fingerprint: str,
+                  cache_dir: str, seed: int = 0) -> Tokenizer:
+    """Load `cfg.model`, or the cached model trained on this corpus with this config (training it once).
+
+    Concurrent processes are safe: one trains under a file lock, the others wait and then load it.
+    """
+    if cfg.model:
+        path = os.path.expanduser(cfg.model)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data.tokenizer.model={cfg.model!r}: no such file")
+        return Tokenizer(path)
+    key = tokenizer_key(cfg, corpus_fingerprint, seed)
+    folder = os.path.join(cache_dir, "tokenizers")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"spm_{cfg.model_type}{cfg.vocab_size}_{key}.model")
+    with FileLock(path + ".lock"):
+        if os.path.isfile(path):
+            try:
+                return Tokenizer(path)
+            except DataError:  # a damaged cached model (writes are atomic, so only outside hands): retrain
+                os.remove(path)
+        if not os.path.isfile(path):
+            if train_ds is None:
+                raise DataError("no cached tokenizer and no corpus to train one on")
+            train_tokenizer(train_ds, cfg, path, seed)
+            meta: dict[str, Any] = {**asdict(cfg), "corpus": corpus_fingerprint, "seed": seed}
+            with open(path[: -len(".model")] + ".json", "w") as f:
+                json.dump(meta, f, indent=1)
+    return Tokenizer(path)
