@@ -60,6 +60,7 @@ E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive E4M3 value; floor for a non-zero sqrt(v)
 AMAX_FLOOR = 1e-30  # amax is clamped to this so that an all-zero block gets a finite, positive scale
 
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
 
 
@@ -184,7 +185,7 @@ def fp8_adamw_update_reference(
 # Triton kernel: all tensors of a launch in one grid, one program per chunk of NB blocks of BS elements
 # ----------------------------------------------------------------------------------------------------
 
-TABLE_COLS = 8  # p_off, g_off, m_off, r_off, ms_off, rs_off, numel, unused
+TABLE_COLS = 8  # p_off, m_off, ms_off, r_off, rs_off, numel, unused, unused (element offsets)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ if _HAS_TRITON:
 
     @triton.jit
     def _adam_chunk(
-        p_ptr, g_ptr, m_ptr, r_ptr, ms_ptr, rs_ptr, numel, start, blk0,
+        p_ptr, g_ptr, m_ptr, ms_ptr, r_ptr, rs_ptr, numel, start, blk0,
         beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
         BS: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
         AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, QMIN_SUB: tl.constexpr,
@@ -252,8 +253,8 @@ if _HAS_TRITON:
 
     @triton.jit
     def _fp8_adamw_kernel(
-        p_base, g_base, m_base, r_base, ms_base, rs_base,
-        table_ptr, chunk_tensor_ptr, chunk_index_ptr,
+        p_base, g_base, m_base, ms_base, r_base, rs_base,
+        table_ptr, gtable_ptr, chunk_tensor_ptr, chunk_index_ptr,
         beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
         BS: tl.constexpr, NB: tl.constexpr, ALIGNED: tl.constexpr,
         AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, QMIN_SUB: tl.constexpr,
@@ -265,12 +266,12 @@ if _HAS_TRITON:
         c = tl.load(chunk_index_ptr + pid).to(tl.int64)
         row = table_ptr + t * 8
         p_off = tl.load(row + 0)
-        g_off = tl.load(row + 1)
-        m_off = tl.load(row + 2)
+        m_off = tl.load(row + 1)
+        ms_off = tl.load(row + 2)
         r_off = tl.load(row + 3)
-        ms_off = tl.load(row + 4)
-        rs_off = tl.load(row + 5)
-        numel = tl.load(row + 6)
+        rs_off = tl.load(row + 4)
+        numel = tl.load(row + 5)
+        g_off = tl.load(gtable_ptr + t)
         if ALIGNED:  # all element offsets are multiples of 16: lets the compiler emit 16-byte accesses
             p_off = tl.multiple_of(p_off, 16)
             g_off = tl.multiple_of(g_off, 16)
@@ -280,29 +281,18 @@ if _HAS_TRITON:
         blk0 = c * NB
         if start + NB * BS <= numel:
             _adam_chunk(
-                p_base + p_off, g_base + g_off, m_base + m_off, r_base + r_off, ms_base + ms_off,
+                p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
                 rs_base + rs_off, numel, start, blk0,
                 beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
                 BS, NB, False, AMAX_MIN, QMAX, QMIN_SUB,
             )  # fmt: skip
         else:
             _adam_chunk(
-                p_base + p_off, g_base + g_off, m_base + m_off, r_base + r_off, ms_base + ms_off,
+                p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
                 rs_base + rs_off, numel, start, blk0,
                 beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
                 BS, NB, True, AMAX_MIN, QMAX, QMIN_SUB,
             )  # fmt: skip
-
-
-@dataclass
-class _LaunchPlan:
-    """Device-side tables of one multi-tensor launch, reused while no pointer changes."""
-
-    key: tuple[int, ...]
-    table: torch.Tensor  # int64 [T, TABLE_COLS]
-    chunk_tensor: torch.Tensor  # int32 [n_chunks]
-    chunk_index: torch.Tensor  # int32 [n_chunks]
-    aligned: bool
 
 
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
@@ -313,28 +303,57 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
     return diff // size
 
 
+def _to_device(rows: list, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class LaunchPlan:
+    """Device-side tables of one multi-tensor launch, reused while no pointer moves.
+
+    table int64 [T, 8]: element offsets of param, exp_avg, its scale, exp_avg_sq_root, its scale (relative
+    to the first tensor of each kind) and numel; gtable int64 [T]: grad offsets; chunk_tensor /
+    chunk_index int32 [n_chunks]: which tensor and which chunk of it each program updates.
+    """
+
+    key: tuple[int, ...]
+    table: torch.Tensor
+    chunk_tensor: torch.Tensor
+    chunk_index: torch.Tensor
+    aligned: bool
+    gkey: tuple[int, ...] = ()
+    gtable: torch.Tensor | None = None
+    galigned: bool = True
+
+
+def _static_key(tensors: Sequence[tuple[torch.Tensor, ...]]) -> tuple[int, ...]:
+    # Our state tensors move only through load_state_dict (which drops plans); a param moves with data_ptr.
+    return tuple(x for tup in tensors for x in (tup[0].data_ptr(), tup[0].numel(), tup[2].data_ptr()))
+
+
 def build_launch_plan(
-    tensors: Sequence[tuple[torch.Tensor, ...]], block_size: int, cfg: KernelConfig, key: tuple[int, ...]
-) -> _LaunchPlan:
-    """Offsets of every (param, grad, exp_avg, exp_avg_sq_root, scale, scale) relative to the first tuple."""
+    tensors: Sequence[tuple[torch.Tensor, ...]], block_size: int, cfg: KernelConfig
+) -> LaunchPlan:
+    """Offset tables for tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root, its scale)."""
     base = tensors[0]
     rows = []
     aligned = True
     for tup in tensors:
-        offs = [_offset(t, b) for t, b in zip(tup, base)]
-        numel = tup[0].numel()
-        aligned &= all(o % 16 == 0 for o in offs[:4])
-        rows.append(offs + [numel, 0])
+        offs = [_offset(tup[i], base[i]) for i in (0, 2, 3, 4, 5)]
+        aligned &= offs[0] % 16 == 0 and offs[1] % 16 == 0 and offs[3] % 16 == 0
+        rows.append(offs + [tup[0].numel(), 0, 0])
     device = base[0].device
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
     chunk = cfg.blocks_per_program * block_size
-    counts = torch.tensor([-(-r[6] // chunk) for r in rows], dtype=torch.int64)
+    counts = torch.tensor([-(-r[5] // chunk) for r in rows], dtype=torch.int64)
     starts = torch.cumsum(counts, 0) - counts
     chunk_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
     chunk_index = torch.arange(int(counts.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, counts)
-    return _LaunchPlan(
-        key=key,
-        table=table,
+    return LaunchPlan(
+        key=_static_key(tensors),
+        table=_to_device(rows, device),
         chunk_tensor=chunk_tensor.to(torch.int32).to(device),
         chunk_index=chunk_index.to(torch.int32).to(device),
         aligned=aligned,
@@ -346,27 +365,31 @@ def fp8_adamw_update_triton(
     s: AdamScalars,
     block_size: int,
     cfg: KernelConfig = KernelConfig(),
-    plan: _LaunchPlan | None = None,
-) -> _LaunchPlan:
+    plan: LaunchPlan | None = None,
+) -> LaunchPlan:
     """One fused launch over all `tensors` = [(param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root,
-    exp_avg_sq_root_scale), ...] (flat, contiguous; params fp32, grads all of one dtype, moments uint8).
+    exp_avg_sq_root_scale), ...]: params fp32 contiguous (any shape), grads contiguous and all of one
+    dtype, moments uint8 [numel], scales fp32 [ceil(numel / block_size)], all on one device.
 
-    Returns the launch plan (pass it back as `plan` to skip rebuilding the tables when no pointer moved).
+    Returns the launch plan; pass it back as `plan` to skip rebuilding the tables when no pointer moved.
     """
     if not _HAS_TRITON:
         raise RuntimeError("FP8AdamW's fused kernel needs triton; use backend='torch' on this machine")
-    # Kernel argument order is (p, g, m, r, ms, rs); the tuples are (p, g, m, ms, r, rs).
-    ordered = [(p, g, m, r, ms, rs) for (p, g, m, ms, r, rs) in tensors]
-    key = tuple(t.data_ptr() for tup in ordered for t in tup) + tuple(tup[0].numel() for tup in ordered)
-    if plan is None or plan.key != key:
-        plan = build_launch_plan(ordered, block_size, cfg, key)
-    p, g, m, r, ms, rs = ordered[0]
+    if plan is None or plan.key != _static_key(tensors):
+        plan = build_launch_plan(tensors, block_size, cfg)
+    gkey = tuple(tup[1].data_ptr() for tup in tensors)
+    if plan.gtable is None or plan.gkey != gkey:
+        g0 = tensors[0][1]
+        goffs = [_offset(tup[1], g0) for tup in tensors]
+        plan.gkey, plan.gtable = gkey, _to_device(goffs, g0.device)
+        plan.galigned = all(o % 16 == 0 for o in goffs)
+    p, g, m, ms, r, rs = tensors[0]
     grid = (plan.chunk_tensor.numel(),)
     _fp8_adamw_kernel[grid](
-        p, g, m.view(torch.float8_e4m3fn), r.view(torch.float8_e4m3fn), ms, rs,
-        plan.table, plan.chunk_tensor, plan.chunk_index,
+        p, g, m.view(torch.float8_e4m3fn), ms, r.view(torch.float8_e4m3fn), rs,
+        plan.table, plan.gtable, plan.chunk_tensor, plan.chunk_index,
         s.beta1, s.omb1, s.beta2, s.omb2, s.eps, s.decay, s.step_size, s.inv_sqrt_bc2,
-        BS=block_size, NB=cfg.blocks_per_program, ALIGNED=plan.aligned,
+        BS=block_size, NB=cfg.blocks_per_program, ALIGNED=plan.aligned and plan.galigned,
         AMAX_MIN=AMAX_FLOOR, QMAX=E4M3_MAX, QMIN_SUB=E4M3_MIN_SUBNORMAL,
         num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -428,7 +451,7 @@ class FP8AdamW(torch.optim.Optimizer):
             raise ValueError(f"FP8AdamW backend must be 'auto', 'triton' or 'torch', got {backend!r}")
         self.backend = backend
         self.kernel = kernel or KernelConfig()
-        self._plans: dict[tuple, _LaunchPlan] = {}
+        self._plans: dict[tuple, LaunchPlan] = {}
         self._zero_checked = False
         super().__init__(params, defaults)
 
@@ -471,14 +494,12 @@ class FP8AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         bs = int(group["block_size"])
         small: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
-        # (device, grad dtype, step) -> list of flat tensor tuples for one fused launch
-        launches: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
-        writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fp8: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         for p in group["params"]:
-            if p.grad is None:
+            g = p.grad
+            if g is None:
                 continue
             _check_param(p)
-            g = p.grad
             if g.is_sparse:
                 raise RuntimeError(
                     f"FP8AdamW does not support sparse gradients (param of shape {tuple(p.shape)}); "
@@ -486,42 +507,53 @@ class FP8AdamW(torch.optim.Optimizer):
                 )
             if g.shape != p.shape:
                 raise ValueError(f"grad shape {tuple(g.shape)} does not match param shape {tuple(p.shape)}")
-            if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            if g.dtype not in _GRAD_DTYPES:
                 raise TypeError(f"FP8AdamW needs fp32/bf16/fp16 grads, got {g.dtype}")
             state = self.state[p]
             if len(state) == 0:
                 self._init_state(p, state, group)
             if "exp_avg_sq" in state:  # fp32-moment tensor
                 small.append((p, g, state))
-                continue
-            _check_fp8_state(p, state, bs)
-            state["step"] += 1
-            step = int(state["step"].item())
-            pf = p if p.is_contiguous() else p.contiguous()
-            if pf is not p:
-                writebacks.append((p, pf))
-            tup = (
-                pf.view(-1),
-                g.contiguous().view(-1),
-                state["exp_avg"],
-                state["exp_avg_scale"],
-                state["exp_avg_sq_root"],
-                state["exp_avg_sq_root_scale"],
-            )
-            launches.setdefault((p.device, g.dtype, step), []).append(tup)
-
-        for (device, gdtype, step), tensors in launches.items():
-            s = AdamScalars.from_hparams(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
-            if self._use_triton(device):
-                pkey = (device, gdtype, bs, len(tensors), id(tensors[0][0].untyped_storage()))
-                self._plans[pkey] = fp8_adamw_update_triton(
-                    tensors, s, bs, self.kernel, plan=self._plans.get(pkey)
-                )
             else:
-                for tup in tensors:
-                    fp8_adamw_update_reference(*tup, s=s, block_size=bs)
-        for p, pf in writebacks:
-            p.copy_(pf)
+                fp8.append((p, g, state))
+
+        if fp8:
+            steps = [st["step"] for _, _, st in fp8]
+            torch._foreach_add_(steps, 1.0)
+            step_values = torch.stack(steps).tolist()
+            # (device, grad dtype, step) -> tensor tuples of one fused launch
+            launches: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+            writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for (p, g, st), step in zip(fp8, step_values):
+                _check_fp8_state(p, st, bs)
+                pf = p if p.is_contiguous() else p.contiguous()
+                if pf is not p:
+                    writebacks.append((p, pf))
+                tup = (
+                    pf,
+                    g if g.is_contiguous() else g.contiguous(),
+                    st["exp_avg"],
+                    st["exp_avg_scale"],
+                    st["exp_avg_sq_root"],
+                    st["exp_avg_sq_root_scale"],
+                )
+                launches.setdefault((p.device, g.dtype, int(step)), []).append(tup)
+            for (device, gdtype, step), tensors in launches.items():
+                s = AdamScalars.from_hparams(
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step
+                )
+                if self._use_triton(device):
+                    pkey = (str(device), gdtype, bs, tensors[0][0].data_ptr())
+                    if len(self._plans) > 256:  # params keep moving (unusual): don't hoard tables
+                        self._plans.clear()
+                    self._plans[pkey] = fp8_adamw_update_triton(
+                        tensors, s, bs, self.kernel, plan=self._plans.get(pkey)
+                    )
+                else:
+                    for p, g, *st in tensors:
+                        fp8_adamw_update_reference(p.view(-1), g.view(-1), *st, s=s, block_size=bs)
+            for p, pf in writebacks:
+                p.copy_(pf)
 
         if small:
             torch.optim.adamw.adamw(
