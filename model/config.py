@@ -69,7 +69,8 @@ class ModelConfig:
              f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         need(self.hidden_size % self.num_heads == 0, "num_heads",
              f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}")
-        need(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", f"must be positive and even, got {self.head_dim}")
+        need(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim",
+             f"must be positive and even, got {self.head_dim}")
         rot = self.rotary_dim
         need(0 < rot <= self.head_dim and rot % 2 == 0, "rotary_fraction",
              f"head_dim*rotary_fraction={self.head_dim * self.rotary_fraction} must be an even int in (0, head_dim]")

@@ -1,0 +1,124 @@
+"""Build the model, the optimizer, the lr schedule and the DeepSpeed engine from the Hydra config."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ling.schedule import lr_multiplier
+from model.config import ModelConfig
+from model.ling import LingForCausalLM
+
+OPTIM_KEYS = {"name", "lr", "betas", "eps", "weight_decay", "grad_clip", "schedule", "warmup_steps",
+              "min_lr_ratio", "decay_fraction"}
+FP8_OPTIM_KEYS = {"block_size", "min_fp8_numel"}
+
+
+def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> ModelConfig:
+    """The `model` node + the `precision`/`fp8` nodes → ModelConfig; vocab follows the data when null."""
+    d: dict[str, Any] = OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[assignment]
+    d["precision"] = cfg.precision.name
+    d["fp8_recipe"] = cfg.fp8.recipe
+    d["fp8_pow2_scales"] = bool(cfg.fp8.pow2_scales)
+    if d.get("vocab_size") is None:
+        if vocab_size_from_data is None:
+            raise ValueError("model.vocab_size is null and the data source reports no vocab size")
+        d["vocab_size"] = vocab_size_from_data
+    elif vocab_size_from_data is not None and d["vocab_size"] < vocab_size_from_data:
+        raise ValueError(f"model.vocab_size={d['vocab_size']} is smaller than the tokenizer's vocab "
+                         f"({vocab_size_from_data}); set model.vocab_size=null to follow the tokenizer")
+    return ModelConfig.from_dict(d)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices; no decay for 1-D parameters (norm gains)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig) -> torch.optim.Optimizer:
+    """`optim.name`: "adamw" (torch AdamW, fp32 moments) or "fp8_adamw" (E4M3 moments, `fp8.adam`)."""
+    known = OPTIM_KEYS | (FP8_OPTIM_KEYS if optim.get("name") == "fp8_adamw" else set())
+    unknown = sorted(set(optim.keys()) - known)
+    if unknown:
+        raise ValueError(f"optim.{unknown[0]}: unknown optimizer key for optim.name={optim.get('name')!r}")
+    common = {"lr": float(optim.lr), "betas": tuple(float(b) for b in optim.betas), "eps": float(optim.eps),
+              "weight_decay": float(optim.weight_decay)}
+    if optim.name == "adamw":
+        return torch.optim.AdamW(list(groups), **common)
+    if optim.name == "fp8_adamw":
+        from fp8.adam import FP8AdamW
+
+        return FP8AdamW(list(groups), **common, block_size=int(optim.block_size),
+                        min_fp8_numel=int(optim.min_fp8_numel))
+    raise ValueError(f"optim.name={optim.name!r} is unknown (known: adamw, fp8_adamw)")
+
+
+def _as_dict(node: Any) -> dict[str, Any]:
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON config from `train`, `optim` and `deepspeed` nodes."""
+    ds = cfg.deepspeed
+    zero: dict[str, Any] = {"stage": int(ds.zero_stage)}
+    zero.update(_as_dict(ds.get("zero_extra")))
+    conf: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": int(cfg.train.micro_batch_size),
+        "gradient_accumulation_steps": int(cfg.train.grad_accum),
+        "gradient_clipping": float(cfg.optim.grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": use_bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    conf.update(_as_dict(ds.get("extra")))
+    return conf
+
+
+def resolve_device(cfg: DictConfig) -> torch.device:
+    import os
+
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("train.device=cuda but CUDA is not available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if want != "cpu":
+        raise ValueError(f"train.device={want!r} is unknown (known: auto, cpu, cuda)")
+    return torch.device("cpu")
+
+
+def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.device):
+    """→ (DeepSpeed engine, LambdaLR scheduler). bf16 on GPU, fp32 on CPU; ZeRO stage from config."""
+    import deepspeed
+
+    use_bf16 = device.type == "cuda" and bool(cfg.deepspeed.get("bf16", True))
+    ds_config = deepspeed_config(cfg, use_bf16)
+    if int(cfg.deepspeed.zero_stage) == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = LingForCausalLM(model_config)
+    else:
+        with torch.device(device):
+            model = LingForCausalLM(model_config)
+    optimizer = build_optimizer(param_groups(model, float(cfg.optim.weight_decay)), cfg.optim)
+    schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
+                             float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=ds_config)
+    return engine, scheduler
