@@ -37,6 +37,8 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 4
+    tma: bool = False  # operands through TMA tensor descriptors (needs 16-byte aligned rows)
+    persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
 
 
 # Per-kind override (used by the benchmark's sweep); None -> `_default_config`.
@@ -140,6 +142,46 @@ if HAS_TRITON:
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, c, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
+    @triton.jit
+    def _fp8_gemm_tma_kernel(
+        a_desc, b_desc, c_desc, as_ptr, bs_ptr,
+        M, N, K,
+        stride_asm, stride_ask, stride_bsn, stride_bsk,
+        B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+    ):  # fmt: skip
+        """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
+        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid)."""
+        BLOCK_K: tl.constexpr = 128
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_tiles = num_pid_m * num_pid_n
+        num_kb = tl.cdiv(K, BLOCK_K)
+        num_pid_in_group = GROUP_M * num_pid_n
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            group_id = tile // num_pid_in_group
+            first_pid_m = group_id * GROUP_M
+            group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+            pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+            pid_n = (tile % num_pid_in_group) // group_size_m
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            offs_am = (off_m + tl.arange(0, BLOCK_M)) % M
+            offs_bn = (off_n + tl.arange(0, BLOCK_N)) % N
+            as_ptrs = as_ptr + offs_am * stride_asm
+            if B_BLOCKWISE:
+                bs_ptrs = bs_ptr + (offs_bn // 128) * stride_bsn
+            else:
+                bs_ptrs = bs_ptr + offs_bn * stride_bsn
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(0, num_kb):
+                a = a_desc.load([off_m, kb * BLOCK_K])
+                b = b_desc.load([off_n, kb * BLOCK_K])
+                sa = tl.load(as_ptrs + kb * stride_ask)
+                sb = tl.load(bs_ptrs + kb * stride_bsk)
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
 
 def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int, int]:
     if a.dim() != 2 or b.dim() != 2:
@@ -163,6 +205,26 @@ def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int
     return m, n, k
 
 
+def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
+    """TMA needs unit inner strides, 16-byte aligned row strides and base addresses."""
+    for t in (a, b, c):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
 def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
@@ -171,6 +233,21 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> 
     if k == 0:
         return c.zero_()
     cfg = _default_config(m, n, k, kind)
+    if cfg.tma and _tma_ok(a, b, c):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
+        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
+        c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n])
+        tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+        progs = min(tiles, _num_sms(a.device)) if cfg.persistent else tiles
+        _fp8_gemm_tma_kernel[(progs,)](
+            a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
+            a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+            B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=progs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](
         a, b, c, a_scale, b_scale, m, n, k,

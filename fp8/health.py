@@ -61,7 +61,9 @@ def distortion(
         full = (stop - start) // block * block
         parts = []
         if full:
-            parts.append((xs[:, start : start + full].reshape(-1, block), qs[:, start : start + full].reshape(-1, block)))
+            parts.append(
+                (xs[:, start : start + full].reshape(-1, block), qs[:, start : start + full].reshape(-1, block))
+            )
         if stop - start > full:
             parts.append((xs[:, start + full : stop], qs[:, start + full : stop]))
         for xb, qb in parts:

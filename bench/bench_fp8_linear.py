@@ -1,0 +1,344 @@
+"""Blockwise FP8 GEMM / FP8Linear benchmark on one H200 (Ling-mini-2.0 shapes at 16384 tokens).
+
+    PYTHONUNBUFFERED=1 python3 bench/bench_fp8_linear.py [--tokens 16384] [--sweep] [--out DIR]
+
+Prints (last) a GEMM table: ours vs cuBLAS blockwise `scaled_mm` vs bf16 matmul, TFLOPS (medians, same run),
+for fprop / dgrad / wgrad of each shape; a layer table: forward+backward of our FP8Linear, bf16 nn.Linear
+and torchao's Float8BlockwiseLinear (use_triton False/True) with saved-activation bytes; and quantizer
+bandwidths. Every timed product is first checked against a float64 product of the dequantized operands.
+Not imported by the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp8 import gemm as G  # noqa: E402
+from fp8.gemm import GemmConfig, fp8_gemm, fp8_gemm_wgrad, set_gemm_config  # noqa: E402
+from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
+from fp8.quant import (  # noqa: E402
+    dequantize_1x128,
+    dequantize_128x128,
+    fp8_transpose_128x128,
+    quantize_1x128,
+    quantize_1x128_dual,
+    quantize_1x128_transposed,
+    quantize_128x128,
+)
+
+SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120)}
+SWEEP = [
+    GemmConfig(128, 128, 8, 8, 4, tma=False),
+    GemmConfig(128, 256, 8, 8, 3, tma=False),
+    GemmConfig(128, 128, 8, 8, 4, tma=True),
+    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
+    GemmConfig(128, 256, 8, 8, 3, tma=True),
+    GemmConfig(128, 256, 8, 8, 3, tma=True, persistent=True),
+    GemmConfig(256, 128, 8, 8, 3, tma=True),
+]
+
+
+def bench_ms(fn, rep: int = 200) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+# ------------------------------------------------------------------------------------------------ cuBLAS
+_CUBLAS_LAYOUT: dict[str, int] = {}
+
+
+def _cublas_candidates(b_s: torch.Tensor, b_blockwise: bool):
+    if b_blockwise:  # ours: [NB, KB] row-major
+        kb = b_s.shape[1]
+        pad = (-kb) % 4
+        padded = F.pad(b_s, (0, pad)) if pad else b_s
+        return [padded.t(), b_s.t().contiguous(), b_s]
+    return [b_s.t(), b_s.t().contiguous(), b_s]  # ours: [N, KB] stride (1, N)
+
+
+def cublas_blockwise(a, a_s, b, b_s, b_blockwise: bool, out_dtype):
+    """F.scaled_mm with BlockWise1x128 x (BlockWise128x128 | BlockWise1x128); the scale layout that cuBLAS
+    accepts is found once per recipe and then reused (checked for numerics by the caller)."""
+    st = F.ScalingType
+    rb = st.BlockWise128x128 if b_blockwise else st.BlockWise1x128
+    key = "bw" if b_blockwise else "rw"
+    cands = _cublas_candidates(b_s, b_blockwise)
+    order = [_CUBLAS_LAYOUT[key]] if key in _CUBLAS_LAYOUT else range(len(cands))
+    err = None
+    for i in order:
+        try:
+            out = F.scaled_mm(a, b.t(), a_s, st.BlockWise1x128, cands[i], rb, output_dtype=out_dtype)
+            _CUBLAS_LAYOUT.setdefault(key, i)
+            return out
+        except Exception as e:  # noqa: BLE001 - report the last refusal
+            err = e
+    raise RuntimeError(f"cuBLAS blockwise scaled_mm refused every scale layout: {err}")
+
+
+# ------------------------------------------------------------------------------------------------ GEMMs
+def gemm_operands(kind: str, m: int, n: int, k: int):
+    """(a, a_s, b, b_s, b_blockwise, out_dtype, a_bf16, b_bf16) for the GEMM `kind` of a linear [n, k]."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    if kind == "fprop":
+        a, a_s = quantize_1x128(x)
+        b, b_s = quantize_128x128(w)
+        return a, a_s, b, b_s, True, torch.bfloat16, x, w
+    if kind == "dgrad":
+        a, a_s = quantize_1x128(dy)
+        wq, ws = quantize_128x128(w)
+        b, b_s = fp8_transpose_128x128(wq, ws)
+        return a, a_s, b, b_s, True, torch.bfloat16, dy, w.t().contiguous()
+    a, a_s = quantize_1x128_transposed(dy)
+    b, b_s = quantize_1x128_transposed(x)
+    return a, a_s, b, b_s, False, torch.float32, dy.t().contiguous(), x.t().contiguous()
+
+
+def run_gemms(m: int, sweep: bool, log: dict) -> list[list[str]]:
+    rows = []
+    best_cfg: dict[str, dict] = {"fprop": {}, "wgrad": {}}
+    for name, (n, k) in SHAPES.items():
+        for kind in ("fprop", "dgrad", "wgrad"):
+            a, a_s, b, b_s, bw, odt, a16, b16 = gemm_operands(kind, m, n, k)
+            mm, nn_ = a.shape[0], b.shape[0]
+            flops = 2.0 * mm * nn_ * a.shape[1]
+            deq_a = dequantize_1x128(a, a_s, torch.float64)
+            deq_b = dequantize_128x128(b, b_s, torch.float64) if bw else dequantize_1x128(b, b_s, torch.float64)
+            ref = deq_a @ deq_b.t()
+            del deq_a, deq_b
+            gk = "wgrad" if kind == "wgrad" else "fprop"
+            fn = functools.partial(fp8_gemm if bw else fp8_gemm_wgrad, a, a_s, b, b_s, out_dtype=odt)
+            results = []
+            for cfg in SWEEP if sweep else [None]:
+                set_gemm_config(gk, cfg)
+                try:
+                    out = fn()
+                    err = rel(out, ref)
+                    ms = bench_ms(fn)
+                    results.append((ms, err, cfg))
+                    print(f"  {name:8s} {kind:5s} {cfg} {tflops(flops, ms):7.1f} TFLOPS err {err:.2e}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name:8s} {kind:5s} {cfg} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            set_gemm_config(gk, None)
+            ok = [r for r in results if r[1] < 2e-2]
+            best = min(ok, key=lambda r: r[0]) if ok else (float("nan"), float("nan"), None)
+            best_cfg[gk][f"{name}.{kind}"] = str(best[2])
+            # cuBLAS
+            try:
+                cfn = functools.partial(cublas_blockwise, a, a_s, b, b_s, bw, odt)
+                cerr = rel(cfn(), ref)
+                cms = bench_ms(cfn)
+                cub = f"{tflops(flops, cms):.0f}" + ("" if cerr < 2e-2 else f" (err {cerr:.1e}!)")
+            except Exception as e:  # noqa: BLE001
+                cms, cerr, cub = float("nan"), float("nan"), f"n/a ({type(e).__name__})"
+                print(f"  cuBLAS blockwise failed: {e}", flush=True)
+            bms = bench_ms(functools.partial(torch.matmul, a16, b16.t()))
+            rows.append(
+                [
+                    name,
+                    kind,
+                    f"{mm}x{nn_}x{a.shape[1]}",
+                    f"{tflops(flops, best[0]):.0f}",
+                    cub,
+                    f"{tflops(flops, bms):.0f}",
+                    f"{tflops(flops, best[0]) / tflops(flops, cms):.2f}",
+                    f"{tflops(flops, best[0]) / tflops(flops, bms):.2f}",
+                    f"{best[1]:.1e}",
+                    f"{cerr:.1e}",
+                ]
+            )
+            log.setdefault("gemm", []).append(
+                {
+                    "shape": name,
+                    "kind": kind,
+                    "ours_ms": best[0],
+                    "cublas_ms": cms,
+                    "bf16_ms": bms,
+                    "err": best[1],
+                    "cfg": str(best[2]),
+                    "all": [(r[0], r[1], str(r[2])) for r in results],
+                }
+            )
+            del a, b, a16, b16, ref
+            torch.cuda.empty_cache()
+    log["best_cfg"] = best_cfg
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ layers
+def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward, not counting the (cached) weight tensors."""
+    total = [0]
+    skip = {layer.weight.data_ptr()}
+    if isinstance(layer, FP8Linear):
+        wq, ws = layer.quantized_weight()
+        skip |= {wq.data_ptr(), ws.data_ptr()}
+
+    def pack(t):
+        if t.data_ptr() not in skip:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    del y
+    return total[0]
+
+
+def run_layers(m: int, log: dict) -> list[list[str]]:
+    rows = []
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except Exception as e:  # noqa: BLE001
+        Float8BlockwiseLinear = None  # noqa: N806
+        print(f"torchao Float8BlockwiseLinear unavailable: {e}", flush=True)
+    for name, (n, k) in SHAPES.items():
+        flops = 6.0 * m * n * k
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        ref_y = x.detach().double() @ base.weight.detach().double().t()
+        layers: dict[str, torch.nn.Module] = {"bf16 nn.Linear": base}
+        ours = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        ours.load_state_dict(base.state_dict())
+        layers["ours FP8Linear"] = ours
+        if Float8BlockwiseLinear is not None:
+            for ut in (False, True):
+                try:
+                    t = Float8BlockwiseLinear(k, n, bias=False, use_triton=ut).to("cuda", torch.bfloat16)
+                    t.load_state_dict(base.state_dict())
+                    layers[f"torchao use_triton={ut}"] = t
+                except Exception as e:  # noqa: BLE001
+                    print(f"torchao use_triton={ut} construct failed: {e}", flush=True)
+        res = {}
+        for lname, layer in layers.items():
+
+            def step(layer=layer, x=x, g=g):
+                x.grad = None
+                layer.weight.grad = None
+                if isinstance(layer, FP8Linear):
+                    invalidate_fp8_weight_caches()  # count the weight quantization in every step
+                layer(x).backward(g)
+
+            try:
+                y = layer(x)
+                err = rel(y, ref_y)
+                del y
+                ms = bench_ms(step)
+                sb = saved_bytes(layer, x)
+                res[lname] = (ms, err, sb)
+                print(
+                    f"  {name:8s} {lname:26s} {tflops(flops, ms):7.1f} TFLOPS fwd err {err:.2e} saved "
+                    f"{sb / 2**20:.1f} MiB",
+                    flush=True,
+                )
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name:8s} {lname} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        bf = res.get("bf16 nn.Linear", (float("nan"),) * 3)
+        for lname, (ms, err, sb) in res.items():
+            rows.append(
+                [
+                    name,
+                    lname,
+                    f"{tflops(flops, ms):.0f}",
+                    f"{bf[0] / ms:.2f}",
+                    f"{err:.1e}",
+                    f"{sb / 2**20:.0f}",
+                    f"{sb / bf[2]:.2f}",
+                ]
+            )
+        log.setdefault("layer", []).append({"shape": name, **{k2: list(v) for k2, v in res.items()}})
+        del x, g, layers, ours, base
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_quant(m: int) -> list[list[str]]:
+    rows = []
+    x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quantize_1x128(x)
+    w = torch.randn(10240, 2048, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_128x128(w)
+    nx = x.numel()
+    cases = [
+        ("quantize_1x128 [M,5120] bf16", lambda: quantize_1x128(x), nx * 2 + nx + nx // 32),
+        ("quantize_1x128_dual (dy)", lambda: quantize_1x128_dual(x), nx * 2 + 2 * nx + nx // 16),
+        ("quantize_1x128_transposed (from fp8 x)", lambda: quantize_1x128_transposed(xq, xs), 2 * nx + nx // 16),
+        ("quantize_128x128 [10240,2048]", lambda: quantize_128x128(w), w.numel() * 3),
+        ("fp8_transpose_128x128 [10240,2048]", lambda: fp8_transpose_128x128(wq, ws), wq.numel() * 2),
+    ]
+    for name, fn, nbytes in cases:
+        ms = bench_ms(fn, rep=100)
+        rows.append([name, f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e9:.0f}"])
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |"
+    return "\n".join([line(header), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [line(r) for r in rows])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--sweep", action="store_true", help="time every GemmConfig in SWEEP, report the best")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--skip-layers", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
+    log: dict = {}
+    gemm_rows = run_gemms(args.tokens, args.sweep, log)
+    quant_rows = run_quant(args.tokens)
+    layer_rows = [] if args.skip_layers else run_layers(args.tokens, log)
+    with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
+        json.dump(log, f, indent=1, default=str)
+    print("\nbest configs:", json.dumps(log.get("best_cfg", {}), indent=1))
+    print(f"cuBLAS scale layouts used: {_CUBLAS_LAYOUT}  (gemm module {G.__name__})")
+    print("\n## Quantizers (H200, median)")
+    print(table(["kernel", "us", "GB/s"], quant_rows))
+    if layer_rows:
+        print(f"\n## FP8Linear forward+backward, {args.tokens} tokens (TFLOPS = 6MNK/time, median)")
+        print(table(["shape", "layer", "TFLOPS", "x bf16", "fwd rel err", "saved MiB", "saved / bf16"], layer_rows))
+    print(f"\n## Blockwise FP8 GEMM, {args.tokens} tokens (TFLOPS, median; err = rel. to float64 of dequantized)")
+    print(
+        table(
+            [
+                "shape",
+                "gemm",
+                "MxNxK",
+                "ours",
+                "cuBLAS bw",
+                "bf16",
+                "ours/cuBLAS",
+                "ours/bf16",
+                "err ours",
+                "err cuBLAS",
+            ],
+            gemm_rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Blockwise E4M3 quantizers: Triton kernels bit-exact against the PyTorch reference, and the reference
+against the scale definition of DESIGN.md. On CPU the kernels run in Triton's interpreter (with its e4m3
+cast fixed by the `triton_interpreter` fixture); the `gpu` variants run the compiled kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fp8.quant import (
+    dequantize_1x128,
+    fp8_transpose_128x128,
+    fp8_transpose_128x128_ref,
+    quantize_1x128,
+    quantize_1x128_dual,
+    quantize_1x128_ref,
+    quantize_1x128_transposed,
+    quantize_1x128_transposed_ref,
+    quantize_128x128,
+    quantize_128x128_ref,
+)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SHAPES = [(200, 300), (128, 256), (7, 129), (1, 1)]
+
+
+def setup_device(device: str, request) -> None:
+    """CPU: run kernels in the interpreter, which needs its float32->e4m3 cast fixed (triton #8322)."""
+    if device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+        request.getfixturevalue("triton_interpreter")
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+    return torch.equal(a.cpu(), b.cpu()) or torch.equal(a.cpu().nan_to_num(), b.cpu().nan_to_num())
+
+
+def rand(m: int, k: int, device: str, dtype=torch.bfloat16) -> torch.Tensor:
+    # rows of very different magnitudes so that scales differ by orders of magnitude
+    return (torch.randn(m, k) * torch.logspace(-6, 3, m)[:, None]).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_1x128_bit_exact(device, shape, pow2, dtype, request):
+    setup_device(device, request)
+    x = rand(*shape, device, dtype)
+    q, s = quantize_1x128(x, pow2, backend="triton")
+    qr, sr = quantize_1x128_ref(x.cpu(), pow2)
+    assert q.shape == x.shape and s.shape == (shape[0], -(-shape[1] // 128))
+    assert s.stride() == (1, shape[0])  # row index fastest (the GEMM/cuBLAS layout)
+    assert bits_equal(q, qr) and bits_equal(s, sr)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_128x128_bit_exact(device, shape, pow2, request):
+    setup_device(device, request)
+    w = rand(*shape, device)
+    q, s = quantize_128x128(w, pow2, backend="triton")
+    qr, sr = quantize_128x128_ref(w.cpu(), pow2)
+    assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert bits_equal(q, qr) and bits_equal(s, sr)
+    t, ts = fp8_transpose_128x128(q, s, backend="triton")
+    tr, tsr = fp8_transpose_128x128_ref(qr, sr)
+    assert bits_equal(t, tr) and bits_equal(ts, tsr)
+    assert bits_equal(t, q.t().contiguous())  # exact transpose
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, request):
+    setup_device(device, request)
+    x = rand(*shape, device)
+    qt, st = quantize_1x128_transposed(x, None, pow2, backend="triton")
+    qtr, str_ = quantize_1x128_transposed_ref(x.cpu(), None, pow2)
+    assert qt.shape == (shape[1], shape[0]) and st.shape == (shape[1], -(-shape[0] // 128))
+    assert bits_equal(qt, qtr) and bits_equal(st, str_)
+    # same thing as quantizing a materialised transpose
+    q2, s2 = quantize_1x128_ref(x.cpu().t().contiguous(), pow2)
+    assert bits_equal(qt, q2) and bits_equal(st, s2)
+    # from the FP8 x (the wgrad path): dequantize in registers, re-quantize along tokens
+    xq, xs = quantize_1x128(x, pow2, backend="triton")
+    qt, st = quantize_1x128_transposed(xq, xs, pow2, backend="triton")
+    qtr, str_ = quantize_1x128_transposed_ref(xq.cpu(), xs.cpu(), pow2)
+    assert bits_equal(qt, qtr) and bits_equal(st, str_)
+    outs = quantize_1x128_dual(x, pow2, backend="triton")
+    refs = quantize_1x128_dual(x.cpu(), pow2, backend="torch")
+    assert all(bits_equal(a, b) for a, b in zip(outs, refs))
+
+
+def test_scale_definition():
+    x = torch.randn(64, 384) * 3
+    x[5, 128:256] = 0.0  # an all-zero block
+    q, s = quantize_1x128_ref(x)
+    amax = x.abs().reshape(64, 3, 128).amax(-1)
+    assert torch.equal(s[amax > 0], (amax / 448.0)[amax > 0])
+    assert s[5, 1] == pytest.approx(1e-12, rel=1e-6) and torch.all(q[5, 128:256].float() == 0)
+    assert q.float().abs().max() <= 448.0
+    # every block's largest element maps to +-448 exactly (scale = amax / 448, division correctly rounded)
+    blk = q.float().abs().reshape(64, 3, 128).amax(-1)
+    assert torch.all(blk[amax > 0] == 448.0)
+    q2, s2 = quantize_1x128_ref(x, pow2_scales=True)
+    assert torch.all(torch.log2(s2) == torch.round(torch.log2(s2)))  # powers of two
+    assert torch.all(s2 >= s) and torch.all(s2 < 2 * s)  # rounded up, by less than a factor 2
+    assert q2.float().abs().max() <= 448.0
+    # dequantization error bounded by half an E4M3 ulp (2^-4 relative) plus the subnormal floor
+    err = (dequantize_1x128(q, s) - x).abs()
+    assert torch.all(err <= x.abs() * 2.0**-4 + s.repeat_interleave(128, 1) * 2.0**-10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_inf_are_not_clipped(device, request):
+    setup_device(device, request)
+    x = torch.randn(4, 256)
+    x[0, 3] = float("nan")
+    x[1, 200] = float("inf")
+    x = x.to(device)
+    for fn in (quantize_1x128, lambda t, *a, **k: quantize_1x128_transposed(t.t().contiguous(), None, *a, **k)):
+        q, s = fn(x, backend="triton")
+        d = dequantize_1x128(q.cpu(), s.cpu())
+        if q.shape[0] == 4:  # row-wise: the blocks holding NaN/Inf dequantize to NaN, nothing finite
+            assert torch.isnan(d[0, :128]).all() and torch.isnan(d[1, 128:]).all()
+            assert torch.isfinite(d[2:]).all()
+        assert not torch.isfinite(d).all()
+        qr, sr = quantize_1x128_ref(x.cpu()) if q.shape[0] == 4 else quantize_1x128_ref(x.cpu().t())
+        assert bits_equal(q, qr) and bits_equal(s, sr)
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_1x128(torch.randn(2, 3, 4))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        quantize_1x128_transposed(torch.randn(4, 128), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="backend"):
+        quantize_1x128(torch.randn(4, 128), backend="cuda")
