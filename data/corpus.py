@@ -156,7 +156,14 @@ def load_source(src: SourceConfig, cfg: DataConfig) -> datasets.Dataset:
             if kind != "parquet" and not (kind == "text" and cfg.encoding_errors == "replace"):
                 for f in files:
                     check_utf8(f)
-            ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache, **kwargs)
+            files = [f for f in files if os.path.getsize(f) > 0]
+            if not files:
+                raise DataError(f"data source {name!r} is empty: its files hold no bytes")
+            try:
+                ds = datasets.load_dataset(kind, data_files=files, split="train", cache_dir=hf_cache, **kwargs)
+            except Exception as e:  # malformed json/csv/parquet: name the source, keep the reader's reason
+                raise DataError(f"data source {name!r}: cannot read it as {kind} "
+                                f"({type(e).__name__}: {e})") from e
         if column not in ds.column_names:
             raise DataError(f"data source {name!r}: no text column {column!r}; its columns are "
                             f"{ds.column_names} (set text_column on the source or data.text_column)")
@@ -169,6 +176,8 @@ def load_source(src: SourceConfig, cfg: DataConfig) -> datasets.Dataset:
             ds = ds.rename_column(column, "text")
         ds = ds.filter(lambda b: [t is not None and t.strip() != "" for t in b["text"]], batched=True,
                        desc=f"non-empty docs of {label}")
+        if len(ds) == 0:
+            raise DataError(f"data source {name!r} is empty: it holds no non-empty document")
         ds = ds.map(lambda b: {"source": [label] * len(b["text"])}, batched=True, desc="source column")
         ds = ds.cast(_FEATURES)
     if len(ds) == 0:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
-    """What `prepare` returns: the tokenizer and the packed splits ("train", and "val" if val_fraction > 0)."""
+    """What `prepare` returns: the tokenizer and the packed splits ("train"; "val" if val_fraction > 0)."""
 
     tokenizer: Tokenizer
     splits: dict[str, PackedData]
