@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DEFAULT_CACHE_DIR = "~/.cache/ling_fp8"
+_SYNTHETIC_ONLY = ("vocab_size", "kind", "branching")  # keys of conf/data/synthetic.yaml, ignored here
 
 
 class DataError(ValueError):
@@ -133,7 +134,8 @@ class DataConfig:
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> DataConfig:
         raw = dict(_plain(cfg))
-        raw.pop("vocab_size", None)  # a synthetic-only key; the tokenizer decides the vocab here
+        for key in _SYNTHETIC_ONLY:  # exp configs may tune the synthetic source; the tokenizer decides here
+            raw.pop(key, None)
         sources = raw.pop("sources", None) or []
         if isinstance(sources, (str, Mapping)) or not isinstance(sources, Sequence):
             sources = [sources]
