@@ -65,10 +65,10 @@ class ModelConfig:
             need(self.vocab_size > 0, "vocab_size", f"must be positive, got {self.vocab_size}")
         need(self.hidden_size > 0, "hidden_size", f"must be positive, got {self.hidden_size}")
         need(self.num_heads > 0, "num_heads", f"must be positive, got {self.num_heads}")
-        need(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-             f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         need(self.hidden_size % self.num_heads == 0, "num_heads",
              f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}")
+        need(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+             f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         need(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim",
              f"must be positive and even, got {self.head_dim}")
         rot = self.rotary_dim

@@ -1,0 +1,93 @@
+"""Hydra configs: every experiment composes; bad keys fail naming the key; yaml presets match the code."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from ling.engine import build_optimizer, model_config_from
+from ling.launch import strip_local_rank_arg
+from model.config import PRESETS, ModelConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml"))
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("exp", EXPERIMENTS)
+def test_every_experiment_composes_and_builds_a_model_config(exp):
+    cfg = compose_cfg([f"+exp={exp}"])
+    OmegaConf.resolve(cfg) if "now" not in str(cfg.run_name) else None
+    vocab = cfg.data.get("vocab_size") or 8192
+    mc = model_config_from(cfg, vocab)
+    assert mc.vocab_size >= vocab
+    assert cfg.train.steps > 0
+
+
+def test_required_experiments_exist():
+    assert {"tiny_cpu", "bf16", "bf16_mtp"} <= set(EXPERIMENTS)
+
+
+def test_unknown_override_key_fails_naming_it():
+    with pytest.raises(ConfigCompositionException, match="stepz"):
+        compose_cfg(["+exp=tiny_cpu", "train.stepz=3"])
+    with pytest.raises(ConfigCompositionException, match="num_headz"):
+        compose_cfg(["model.num_headz=3"])
+
+
+def test_added_unknown_model_key_fails_naming_it():
+    cfg = compose_cfg(["+model.num_headz=3"])
+    with pytest.raises(ValueError, match="model.num_headz"):
+        model_config_from(cfg, 1024)
+
+
+def test_heads_not_dividing_hidden_size_fails_naming_the_key():
+    cfg = compose_cfg(["model.num_heads=3", "model.num_kv_heads=1"])
+    with pytest.raises(ValueError, match="model.num_heads"):
+        model_config_from(cfg, 1024)
+
+
+def test_unknown_optimizer_key_and_name_fail_naming_them():
+    cfg = compose_cfg(["+optim.momentum=0.9"])
+    with pytest.raises(ValueError, match="optim.momentum"):
+        build_optimizer([], cfg.optim)
+    cfg = compose_cfg(["optim.name=sgd"])
+    with pytest.raises(ValueError, match="optim.name"):
+        build_optimizer([{"params": []}], cfg.optim)
+
+
+def test_model_yaml_files_match_code_presets():
+    for name in PRESETS:
+        yaml = OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml"))
+        code = dataclasses.asdict(ModelConfig.preset(name))
+        for key, value in yaml.items():
+            if key == "vocab_size" and value is None:
+                continue
+            assert code[key] == value, (name, key)
+
+
+def test_vocab_follows_data_unless_fixed():
+    cfg = compose_cfg(["+exp=tiny_cpu"])
+    assert model_config_from(cfg, 777).vocab_size == 777
+    cfg = compose_cfg(["+exp=tiny_cpu", "model.vocab_size=512"])
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        model_config_from(cfg, 777)
+
+
+@pytest.mark.parametrize("argv", [["train.py", "--local_rank=1", "a=1"], ["train.py", "--local_rank", "1", "a=1"]])
+def test_deepspeed_local_rank_argument_is_stripped(argv, monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    strip_local_rank_arg(argv)
+    assert argv == ["train.py", "a=1"]
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"

@@ -1,0 +1,164 @@
+"""The Ling model: causality, MTP labels and loss, param counts, overfitting, exactness details."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+from model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from model.ling import IGNORE_INDEX, LingForCausalLM, count_parameters, shift_left
+
+
+def tiny(**overrides) -> ModelConfig:
+    return ModelConfig.preset("tiny", vocab_size=257, **overrides)
+
+
+def test_causality_changing_token_t_changes_no_earlier_logit():
+    torch.manual_seed(0)
+    model = LingForCausalLM(tiny()).eval()
+    ids = torch.randint(0, 257, (2, 24))
+    t = 13
+    changed = ids.clone()
+    changed[:, t] = (changed[:, t] + 1) % 257
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    # Not bit-exact: the changed token may be routed to other experts, which changes the segment sizes
+    # of the per-expert matmuls, and BLAS may then sum a row's products in another order (~1e-7 relative).
+    # A causal leak would move logits by ~1e-2 (the change at t moves them by > 0.1).
+    torch.testing.assert_close(a.logits[:, :t], b.logits[:, :t], atol=1e-5, rtol=1e-5)
+    assert (a.logits[:, t] - b.logits[:, t]).abs().max() > 1e-2
+    # MTP depth 1 at position p reads token p+1, so positions < t-1 are untouched
+    torch.testing.assert_close(a.mtp_logits[0][:, : t - 1], b.mtp_logits[0][:, : t - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_mtp_labels_are_main_labels_shifted_one_more_and_row_end_masked():
+    labels = torch.arange(20).view(2, 10)
+    shifted = shift_left(labels, 1, IGNORE_INDEX)
+    assert torch.equal(shifted[:, :-1], labels[:, 1:])
+    assert (shifted[:, -1] == IGNORE_INDEX).all()  # no leakage of the next row's first target
+
+
+def test_mtp_loss_uses_shifted_labels():
+    torch.manual_seed(1)
+    model = LingForCausalLM(tiny()).eval()
+    ids = torch.randint(0, 257, (2, 16))
+    labels = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        out = model(ids, labels=labels)
+    expected_mtp = F.cross_entropy(out.mtp_logits[0][:, :-1].reshape(-1, 257).float(), labels[:, 1:].reshape(-1))
+    expected_lm = F.cross_entropy(out.logits.reshape(-1, 257).float(), labels.reshape(-1))
+    torch.testing.assert_close(out.mtp_loss, expected_mtp)
+    torch.testing.assert_close(out.lm_loss, expected_lm)
+    torch.testing.assert_close(out.loss, out.lm_loss + 0.1 * out.mtp_loss + out.z_loss + out.aux_loss)
+
+
+def test_without_mtp_loss_is_plain_next_token_ce():
+    torch.manual_seed(2)
+    model = LingForCausalLM(tiny(num_mtp_layers=0, z_loss_coef=0.0)).eval()
+    ids = torch.randint(0, 257, (2, 16))
+    labels = torch.randint(0, 257, (2, 16))
+    labels[0, :3] = IGNORE_INDEX
+    with torch.no_grad():
+        out = model(ids, labels=labels)
+    assert out.mtp_logits == [] and out.mtp_loss is None
+    expected = F.cross_entropy(out.logits.reshape(-1, 257).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+    assert torch.equal(out.loss, expected)
+
+
+def test_doc_ids_mask_attention_across_documents():
+    torch.manual_seed(3)
+    model = LingForCausalLM(tiny(num_mtp_layers=0)).eval()
+    ids = torch.randint(0, 257, (1, 12))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7])
+    with torch.no_grad():
+        packed = model(ids, doc_ids=doc_ids).logits
+        alone = model(ids[:, 5:]).logits  # the second document on its own, positions restart...
+    # ...but RoPE positions do not restart in the packed row; attention is relative, so logits agree
+    torch.testing.assert_close(packed[:, 5:], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_parameter_counts_match_published_ling_mini_2_0():
+    counts = count_parameters(ModelConfig.preset("ling_mini_2_0"))
+    assert abs(counts.total / 16.26e9 - 1) < 0.005, counts
+    assert abs(counts.activated / 1.43e9 - 1) < 0.005, counts
+    l6 = count_parameters(ModelConfig.preset("ling_mini_2_0_l6"))
+    assert 5.4e9 < l6.total + l6.mtp < 5.8e9
+
+
+def test_rope_rotates_half_of_head_dim_with_rotary_dim_denominator():
+    rope = RotaryEmbedding(rotary_dim=8, base=600000.0)
+    expected_inv = torch.tensor([1 / 600000.0 ** (2 * j / 8) for j in range(4)])
+    torch.testing.assert_close(rope.inv_freq, expected_inv.float())
+    x = torch.randn(1, 2, 5, 16)
+    cos, sin = rope.cos_sin(torch.arange(5))
+    y = apply_rotary(x, cos, sin)
+    assert torch.equal(y[..., 8:], x[..., 8:])  # the second half passes through untouched
+    assert torch.equal(y[:, :, 0], x[:, :, 0])  # position 0: no rotation
+    # rotate_half pairs (i, i + 4): norms of each pair are preserved
+    pair = lambda t: t[..., :4] ** 2 + t[..., 4:8] ** 2  # noqa: E731
+    torch.testing.assert_close(pair(y), pair(x))
+
+
+def test_rmsnorm_computes_in_fp32_and_casts_before_gain():
+    norm = RMSNorm(64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 64).bfloat16()
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert torch.equal(norm(x), norm.weight * ref)
+
+
+def test_overfits_a_fixed_small_batch():
+    torch.manual_seed(0)
+    model = LingForCausalLM(tiny(num_layers=2, bias_update_rate=0.0))
+    ids = torch.randint(0, 257, (2, 32))
+    labels = torch.roll(ids, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    first = None
+    for _ in range(150):
+        out = model(ids, labels=labels)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        first = first if first is not None else out.lm_loss.item()
+    assert first > math.log(257) - 0.5
+    assert out.lm_loss.item() < 0.05, out.lm_loss.item()
+
+
+def test_gqa_matches_explicit_per_head_attention():
+    """Query head h attends with KV head h // (heads / kv_heads): check against a hand-written loop."""
+    torch.manual_seed(4)
+    cfg = tiny()
+    model = LingForCausalLM(cfg).eval()
+    attn = model.layers[0].attention
+    x = torch.randn(1, 6, cfg.hidden_size)
+    cos, sin = model.rotary.cos_sin(torch.arange(6))
+    with torch.no_grad():
+        out = attn(x, cos, sin)
+        qkv = attn.query_key_value(x)
+        hd, H, KV = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q = qkv[..., : H * hd].view(1, 6, H, hd).transpose(1, 2)
+        k = qkv[..., H * hd: (H + KV) * hd].view(1, 6, KV, hd).transpose(1, 2)
+        v = qkv[..., (H + KV) * hd:].view(1, 6, KV, hd).transpose(1, 2)
+        q = apply_rotary(attn.query_layernorm(q), cos, sin)
+        k = apply_rotary(attn.key_layernorm(k), cos, sin)
+        heads = []
+        for h in range(H):
+            kv = h // (H // KV)
+            scores = q[:, h] @ k[:, kv].transpose(-1, -2) / math.sqrt(hd)
+            scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+            heads.append(scores.softmax(-1) @ v[:, kv])
+        ref = attn.dense(torch.stack(heads, 1).transpose(1, 2).reshape(1, 6, H * hd))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad, key", [({"num_heads": 3}, "num_heads"), ({"num_kv_heads": 3}, "num_kv_heads"),
+                                      ({"num_expert_groups": 5}, "num_expert_groups"),
+                                      ({"topk_groups": 9}, "topk_groups"), ({"precision": "fp4"}, "precision")])
+def test_bad_model_config_names_the_key(bad, key):
+    with pytest.raises(ValueError, match=f"model.{key}"):
+        ModelConfig.preset("tiny", **bad)
