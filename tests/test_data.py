@@ -369,3 +369,25 @@ def test_concurrent_ranks_build_once(tmp_path, corpus_file):
     assert out[0][1] >= t0 - 1
     assert len([f for f in os.listdir(tmp_path / "cache" / "tokenizers") if f.endswith(".model")]) == 1
     assert not [f for f in os.listdir(tmp_path / "cache" / "packed") if ".tmp-" in f]
+
+
+def test_local_formats_glob_dir_and_text_files(tmp_path, rng):
+    """parquet (custom column), a directory of .txt files (one document each) and a jsonl glob, mixed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    par = [random_doc(rng) for _ in range(20)]
+    pq.write_table(pa.table({"body": par, "n": list(range(20))}), tmp_path / "p.parquet")
+    txt_dir = tmp_path / "txt"
+    txt_dir.mkdir()
+    txt = [random_doc(rng) + "\n\nsecond paragraph\n" for _ in range(7)]
+    for i, t in enumerate(txt):
+        (txt_dir / f"{i}.txt").write_text(t, encoding="utf-8")
+    js = [[random_doc(rng) for _ in range(5)] for _ in range(2)]
+    for i, docs in enumerate(js):
+        write_jsonl(tmp_path / f"shard{i}.jsonl", docs)
+    cfg = files_cfg(tmp_path, [{"path": str(tmp_path / "p.parquet"), "text_column": "body"}, str(txt_dir),
+                               str(tmp_path / "shard*.jsonl")], val_fraction=0.0)
+    train = load_corpus(cfg)["train"]
+    assert sorted(train["text"]) == sorted(par + txt + js[0] + js[1])  # text files keep their line breaks
+    assert set(train["source"]) == {"p.parquet", "txt", "shard*.jsonl"}
