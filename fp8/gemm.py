@@ -39,6 +39,8 @@ class GemmConfig:
     num_stages: int = 4
     tma: bool = False  # operands through TMA tensor descriptors (needs 16-byte aligned rows)
     persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
+    pipe: bool = False  # software-pipeline the scale promotion: block k's FMA overlaps block k+1's MMA
+    warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
 
 
 # Per-kind override (used by the benchmark's sweep); None -> `_default_config`.
@@ -92,7 +94,7 @@ if HAS_TRITON:
         stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PIPE: tl.constexpr,
     ):  # fmt: skip
         BLOCK_K: tl.constexpr = 128
         pid = tl.program_id(0)
@@ -116,13 +118,24 @@ if HAS_TRITON:
         a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
         as_ptrs = as_ptr + offs_am * stride_asm
-        if B_BLOCKWISE:
+        # with 128x128 weight blocks and BLOCK_N == 128 the B scale is one scalar per K block, folded into
+        # the row scales first: the promotion is then one FMA per accumulator element
+        SB_SCALAR: tl.constexpr = B_BLOCKWISE and BLOCK_N == 128
+        if SB_SCALAR:
+            bs_ptrs = bs_ptr + pid_n * stride_bsn
+        elif B_BLOCKWISE:
             bs_ptrs = bs_ptr + (offs_bn // 128) * stride_bsn
         else:
             bs_ptrs = bs_ptr + offs_bn * stride_bsn
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         num_kb = tl.cdiv(K, BLOCK_K)
+        if PIPE:
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SB_SCALAR:
+                s_prev = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+            else:
+                s_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, num_kb):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -133,10 +146,22 @@ if HAS_TRITON:
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
             sa = tl.load(as_ptrs + kb * stride_ask)
             sb = tl.load(bs_ptrs + kb * stride_bsk)
-            part = tl.dot(a, tl.trans(b))  # fresh fp32 accumulator for this 128-wide K block
-            acc += part * (sa[:, None] * sb[None, :])
+            if SB_SCALAR:
+                sab = (sa * sb)[:, None]
+            else:
+                sab = sa[:, None] * sb[None, :]
+            if PIPE:  # issue this block's MMA, then promote the previous block while it runs
+                nxt = tl.dot(a, tl.trans(b))
+                acc += part * s_prev
+                part = nxt
+                s_prev = sab
+            else:
+                part = tl.dot(a, tl.trans(b))  # fresh fp32 accumulator for this 128-wide K block
+                acc += part * sab
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        if PIPE:
+            acc += part * s_prev
 
         c = acc.to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -148,7 +173,7 @@ if HAS_TRITON:
         M, N, K,
         stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
         masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid)."""
@@ -169,17 +194,23 @@ if HAS_TRITON:
             offs_am = (off_m + tl.arange(0, BLOCK_M)) % M
             offs_bn = (off_n + tl.arange(0, BLOCK_N)) % N
             as_ptrs = as_ptr + offs_am * stride_asm
-            if B_BLOCKWISE:
+            SB_SCALAR: tl.constexpr = B_BLOCKWISE and BLOCK_N == 128
+            if SB_SCALAR:
+                bs_ptrs = bs_ptr + pid_n * stride_bsn
+            elif B_BLOCKWISE:
                 bs_ptrs = bs_ptr + (offs_bn // 128) * stride_bsn
             else:
                 bs_ptrs = bs_ptr + offs_bn * stride_bsn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in range(0, num_kb):
+            for kb in tl.range(0, num_kb, warp_specialize=WS):
                 a = a_desc.load([off_m, kb * BLOCK_K])
                 b = b_desc.load([off_n, kb * BLOCK_K])
                 sa = tl.load(as_ptrs + kb * stride_ask)
                 sb = tl.load(bs_ptrs + kb * stride_bsk)
-                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+                if SB_SCALAR:
+                    acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
+                else:
+                    acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -245,7 +276,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> 
             a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=progs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
@@ -254,7 +285,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> 
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         B_BLOCKWISE=b_blockwise, EVEN_K=(k % BLOCK == 0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, PIPE=cfg.pipe,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c

@@ -16,7 +16,10 @@ SHAPES = [(256, 256, 512), (77, 200, 300), (1, 130, 129), (130, 64, 128)]
 # Tolerances (‖out − ref‖ / ‖ref‖ against float64 of the dequantized operands): the GEMM is exact up to
 # fp32 accumulation (~1e-7 for K <= 512) and the output rounding: bf16 has 8 significant bits, so its
 # rounding gives about 2^-9 / sqrt(3) ~ 1.1e-3 rms relative -> 4e-3 bound; fp32 output -> 1e-5.
+# On the GPU, Hopper's FP8 tensor cores accumulate a 128-deep block with ~14 significant bits (the reason
+# for per-block promotion to fp32): measured 1.2-1.3e-4 for ours and for cuBLAS alike -> 5e-4 there.
 TOL = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
+TOL_GPU = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,8 +40,14 @@ def operands(m, n, k, device, b_blockwise=True):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "cfg",
-    [None, GemmConfig(64, 64, 4, tma=True), GemmConfig(64, 64, 4, tma=True, persistent=True)],
-    ids=["default", "tma", "tma-persistent"],
+    [
+        None,
+        GemmConfig(64, 64, 4, tma=True),
+        GemmConfig(64, 64, 4, tma=True, persistent=True),
+        GemmConfig(64, 128, 4, pipe=True),
+        GemmConfig(64, 64, 4, pipe=True),
+    ],
+    ids=["default", "tma", "tma-persistent", "pipe-scalar-sb", "pipe"],
 )
 def test_fp8_gemm_matches_float64(device, shape, out_dtype, cfg, request):
     setup_device(device, request)
@@ -53,7 +62,7 @@ def test_fp8_gemm_matches_float64(device, shape, out_dtype, cfg, request):
     finally:
         set_gemm_config("fprop", None)
     assert out.dtype == out_dtype and out.shape == (m, n)
-    assert rel(out, ref) < TOL[out_dtype]
+    assert rel(out, ref) < (TOL_GPU if device == "cuda" else TOL)[out_dtype]
     assert rel(fp8_gemm_ref(aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu(), out_dtype), ref) < TOL[out_dtype]
 
 
@@ -66,7 +75,7 @@ def test_fp8_gemm_wgrad_matches_float64(device, shape, request):
     ref = dequantize_1x128(aq.cpu(), as_.cpu(), torch.float64) @ dequantize_1x128(bq.cpu(), bs.cpu(), torch.float64).t()
     out = fp8_gemm_wgrad(aq, as_, bq, bs, backend="triton")
     assert out.dtype == torch.float32
-    assert rel(out, ref) < TOL[torch.float32]
+    assert rel(out, ref) < (TOL_GPU if device == "cuda" else TOL)[torch.float32]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -35,8 +35,11 @@ def setup_device(device: str, request) -> None:
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == torch.float8_e4m3fn:
-        return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+    if a.dtype == torch.float8_e4m3fn:  # bit-exact, except that any NaN encoding (0x7F / 0xFF) is NaN
+        a, b = a.cpu(), b.cpu()
+        nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+        bits_a, bits_b = a.view(torch.uint8).masked_fill(nan_a, 0), b.view(torch.uint8).masked_fill(nan_b, 0)
+        return torch.equal(nan_a, nan_b) and torch.equal(bits_a, bits_b)
     return torch.equal(a.cpu(), b.cpu()) or torch.equal(a.cpu().nan_to_num(), b.cpu().nan_to_num())
 
 
