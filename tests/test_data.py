@@ -391,3 +391,16 @@ def test_local_formats_glob_dir_and_text_files(tmp_path, rng):
     train = load_corpus(cfg)["train"]
     assert sorted(train["text"]) == sorted(par + txt + js[0] + js[1])  # text files keep their line breaks
     assert set(train["source"]) == {"p.parquet", "txt", "shard*.jsonl"}
+
+
+def test_val_split_loader(tmp_path, corpus_file):
+    path, _ = corpus_file
+    raw = {"name": "files", "sources": [path], "cache_dir": str(tmp_path / "cache"), "num_proc": 1,
+           "val_fraction": 0.1, "tokenizer": {"vocab_size": 400, "train_chars": 200_000}}
+    val = build_loader(raw, seq_len=16, micro_batch_size=2, split="val")
+    first = val.next_batch()["input_ids"]
+    np.testing.assert_array_equal(first.numpy(), stream_of(val.data)[:2 * 17].reshape(2, 17)[:, :-1])
+    with pytest.raises(DataError, match="no 'val' split"):
+        build_loader({**raw, "val_fraction": 0.0}, seq_len=16, micro_batch_size=2, split="val")
+    synth = build_loader({"name": "synthetic", "vocab_size": 64, "seed": 0}, seq_len=16, micro_batch_size=2)
+    assert synth.next_batch()["input_ids"].shape == (2, 16)  # the synthetic source is untouched
