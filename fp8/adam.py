@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
 
 try:  # Triton is optional on CPU-only installs; the torch reference path needs none of it.
     import triton
@@ -61,6 +62,7 @@ E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive E4M3 value; floor for a non-ze
 AMAX_FLOOR = 1e-30  # amax is clamped to this so that an all-zero block gets a finite, positive scale
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_BYTES_KEYS = ("exp_avg", "exp_avg_sq_root")  # uint8 E4M3 bits in FP8 state
 FP8_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
 
 
@@ -334,9 +336,7 @@ def _static_key(tensors: Sequence[tuple[torch.Tensor, ...]]) -> tuple[int, ...]:
     return tuple(x for tup in tensors for x in (tup[0].data_ptr(), tup[0].numel(), tup[2].data_ptr()))
 
 
-def build_launch_plan(
-    tensors: Sequence[tuple[torch.Tensor, ...]], block_size: int, cfg: KernelConfig
-) -> LaunchPlan:
+def build_launch_plan(tensors: Sequence[tuple[torch.Tensor, ...]], block_size: int, cfg: KernelConfig) -> LaunchPlan:
     """Offset tables for tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root, its scale)."""
     base = tensors[0]
     rows = []
@@ -465,7 +465,26 @@ class FP8AdamW(torch.optim.Optimizer):
             _check_param(p)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        """Exact round trip of `state_dict()`.
+
+        torch's loader casts every state tensor of a floating-point param to the param's dtype, which would
+        turn the uint8 E4M3 bits into fp32 numbers (4 bytes each); the FP8 moments are therefore set aside,
+        the rest is loaded by torch, and the moments are moved (not cast) to their param's device.
+        """
+        raw: dict[Any, dict[str, torch.Tensor]] = {}
+        lean: dict[Any, dict[str, Any]] = {}
+        for pid, st in state_dict["state"].items():
+            is_fp8 = "exp_avg_scale" in st  # fp32-moment tensors use the same key names with fp32 values
+            raw[pid] = {k: st[k] for k in _FP8_BYTES_KEYS if k in st and is_fp8}
+            lean[pid] = {k: v for k, v in st.items() if k not in raw[pid]}
+        super().load_state_dict({**state_dict, "state": lean})
+        saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            for k, v in raw.get(pid, {}).items():
+                if v.dtype != torch.uint8:  # e.g. a state dict that went through torch's cast before
+                    v = v.to(torch.uint8)
+                self.state[p][k] = v.to(device=p.device, copy=True)
         self._plans.clear()  # state tensors were replaced: rebuild pointer tables
 
     # -- step ------------------------------------------------------------------------------------------
@@ -539,16 +558,12 @@ class FP8AdamW(torch.optim.Optimizer):
                 )
                 launches.setdefault((p.device, g.dtype, int(step)), []).append(tup)
             for (device, gdtype, step), tensors in launches.items():
-                s = AdamScalars.from_hparams(
-                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step
-                )
+                s = AdamScalars.from_hparams(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
                 if self._use_triton(device):
                     pkey = (str(device), gdtype, bs, tensors[0][0].data_ptr())
                     if len(self._plans) > 256:  # params keep moving (unusual): don't hoard tables
                         self._plans.clear()
-                    self._plans[pkey] = fp8_adamw_update_triton(
-                        tensors, s, bs, self.kernel, plan=self._plans.get(pkey)
-                    )
+                    self._plans[pkey] = fp8_adamw_update_triton(tensors, s, bs, self.kernel, plan=self._plans.get(pkey))
                 else:
                     for p, g, *st in tensors:
                         fp8_adamw_update_reference(p.view(-1), g.view(-1), *st, s=s, block_size=bs)
@@ -556,7 +571,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 p.copy_(pf)
 
         if small:
-            torch.optim.adamw.adamw(
+            _torch_adamw(
                 [p for p, _, _ in small],
                 [g for _, g, _ in small],
                 [st["exp_avg"] for _, _, st in small],
