@@ -77,3 +77,14 @@ def test_bad_override_fails_with_the_key_in_the_message(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "stepz" in proc.stderr
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_local_rank_argument_does_not_break_hydra(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *COMMON,
+           "train.steps=2", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

