@@ -38,13 +38,13 @@ from fp8.quant import (  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120)}
 SWEEP = [
-    GemmConfig(128, 128, 8, 8, 4),
-    GemmConfig(128, 128, 8, 8, 4, pipe=True),
-    GemmConfig(128, 128, 8, 8, 3, pipe=True),
-    GemmConfig(128, 128, 8, 8, 5),
-    GemmConfig(128, 128, 8, 8, 4, tma=True),
-    GemmConfig(128, 128, 8, 8, 4, tma=True, warp_specialize=True),
-    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # run-2 best fprop
+    GemmConfig(128, 128, 8, 8, 5),  # run-2 best wgrad
+    GemmConfig(256, 128, 8, 16, 3),
+    GemmConfig(256, 128, 8, 16, 3, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(256, 128, 8, 16, 4, tma=True, persistent=True),
+    GemmConfig(128, 256, 8, 16, 3, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 8, 8, 5, tma=True, persistent=True, warp_specialize=True),
 ]
 
 
@@ -311,10 +311,10 @@ def run_quant(m: int, log: dict) -> list[list[str]]:
     )
     best = None
     for opts in (
-        {"trans32": False, "col_warps": 8, "transpose_block": 64},
-        {"trans32": True, "col_warps": 8, "transpose_block": 64},
-        {"trans32": True, "col_warps": 4, "transpose_block": 64},
-        {"trans32": True, "col_warps": 8, "transpose_block": 128},
+        {"col_warps": 4, "col_block_k": 64, "dual_fused": False},
+        {"col_warps": 4, "col_block_k": 32, "dual_fused": False},
+        {"col_warps": 8, "col_block_k": 128, "dual_fused": True},
+        {"col_warps": 4, "col_block_k": 128, "dual_fused": False},
     ):
         Q.QUANT_OPTIONS.update(opts)
         tot = 0.0
@@ -332,6 +332,33 @@ def run_quant(m: int, log: dict) -> list[list[str]]:
     log["quant_options"] = best[1]
     print(f"chosen quant options: {best[1]}", flush=True)
     return rows
+
+
+def profile_layer(m: int, n: int, k: int, out_dir: str) -> str:
+    """Per-kernel CUDA time of one FP8Linear forward+backward (weight quantization included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        x.grad = None
+        layer.weight.grad = None
+        invalidate_fp8_weight_caches()
+        layer(x).backward(g)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    txt = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    with open(os.path.join(out_dir, "profile_gate_up.txt"), "w") as f:
+        f.write(txt)
+    return txt
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -354,6 +381,11 @@ def main() -> None:
     print(f"GEMM table so far: {json.dumps(gemm_rows)}", flush=True)
     quant_rows = run_quant(args.tokens, log)
     layer_rows = [] if args.skip_layers else run_layers(args.tokens, log)
+    try:
+        print("\n## Profile: FP8Linear gate_up (N=10240, K=2048) fwd+bwd x10", flush=True)
+        print(profile_layer(args.tokens, 10240, 2048, args.out), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"profile failed: {e}", flush=True)
     with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
         json.dump(log, f, indent=1, default=str)
     print("\nbest configs:", json.dumps(log.get("best_cfg", {}), indent=1))

@@ -156,22 +156,23 @@ if HAS_TRITON:
         stride_xm, stride_xk, stride_xsm, stride_xsk,
         stride_qm, stride_qk, stride_sm, stride_sk,
         stride_qtk, stride_qtm, stride_stk, stride_stm,
-        BLOCK_M: tl.constexpr, HAS_IN_SCALE: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr,
-        POW2: tl.constexpr, TRANS32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_IN_SCALE: tl.constexpr, DO_ROW: tl.constexpr,
+        DO_COL: tl.constexpr, POW2: tl.constexpr, TRANS32: tl.constexpr,
     ):  # fmt: skip
-        """One [BLOCK_M, 128] tile of x [M, K]: row-wise (1x128 along K) and/or column-wise (1x128 along M,
-        written transposed into [K, M]) quantization; optional dequantization of an FP8 input first."""
+        """One [BLOCK_M, BLOCK_K] tile of x [M, K]: row-wise (1x128 along K; needs BLOCK_K == 128) and/or
+        column-wise (1x128 along M, needs BLOCK_M == 128; written transposed into [K, M]) quantization;
+        optional dequantization of an FP8 input (1x128 scales along K) first."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_k = pid_k * 128 + tl.arange(0, 128)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         m_ok = offs_m < M
         k_ok = offs_k < K
         mask = m_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
         if HAS_IN_SCALE:  # x is E4M3 quantized 1x128 along K: this tile is exactly one of its K blocks
-            xs = tl.load(xs_ptr + offs_m * stride_xsm + pid_k * stride_xsk, mask=m_ok, other=0.0)
+            xs = tl.load(xs_ptr + offs_m * stride_xsm + (pid_k * BLOCK_K // 128) * stride_xsk, mask=m_ok, other=0.0)
             x = x * xs[:, None]
         isnan = (x != x).to(tl.int32)
         ax = tl.abs(x)
@@ -179,7 +180,7 @@ if HAS_TRITON:
             scale = _scale_from_amax(tl.max(ax, axis=1), tl.sum(isnan, axis=1), POW2)
             q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
             tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
-            tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sk, scale, mask=m_ok)
+            tl.store(s_ptr + offs_m * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, scale, mask=m_ok)
         if DO_COL:  # BLOCK_M == 128: the tile holds one whole 128-token block of every column
             scale_c = _scale_from_amax(tl.max(ax, axis=0), tl.sum(isnan, axis=0), POW2)
             if TRANS32:  # transpose 32-bit values (fast shared-memory path), then cast to E4M3
@@ -237,7 +238,9 @@ if HAS_TRITON:
 
 
 # Launch options of the quantize kernels (the benchmark sweeps them; defaults from the H200 runs).
-QUANT_OPTIONS: dict = {"trans32": True, "col_warps": 8, "transpose_block": 64}
+# col_block_k: features per program of the column-only (transposed) quantizer; dual_fused: whether
+# quantize_1x128_dual is one fused launch (one read of x) or a row launch plus a column launch.
+QUANT_OPTIONS: dict = {"trans32": True, "col_warps": 4, "transpose_block": 64, "col_block_k": 64, "dual_fused": False}
 
 
 def _launch_1x128(
@@ -261,16 +264,17 @@ def _launch_1x128(
     if m == 0 or k == 0:
         return q, s, qt, st
     block_m = 128 if do_col else 64
+    block_k = 128 if do_row else QUANT_OPTIONS["col_block_k"]
     xs2 = x_scale if x_scale is not None else dummy
     qq2, ss = (q, s) if do_row else (dummy, dummy)
     qqt2, sst = (qt, st) if do_col else (dummy, dummy)
-    grid = (cdiv(m, block_m), kb)
+    grid = (cdiv(m, block_m), cdiv(k, block_k))
     _quant_1x128_kernel[grid](
         x, xs2, qq2, ss, qqt2, sst, m, k,
         x.stride(0), x.stride(1), xs2.stride(0), xs2.stride(1),
         qq2.stride(0), qq2.stride(1), ss.stride(0), ss.stride(1),
         qqt2.stride(0), qqt2.stride(1), sst.stride(0), sst.stride(1),
-        BLOCK_M=block_m, HAS_IN_SCALE=x_scale is not None, DO_ROW=do_row, DO_COL=do_col, POW2=pow2_scales,
+        BLOCK_M=block_m, BLOCK_K=block_k, HAS_IN_SCALE=x_scale is not None, DO_ROW=do_row, DO_COL=do_col, POW2=pow2_scales,
         TRANS32=QUANT_OPTIONS["trans32"], num_warps=QUANT_OPTIONS["col_warps"] if do_col else 4,
     )  # fmt: skip
     return q, s, qt, st
@@ -330,7 +334,10 @@ def quantize_1x128_dual(
         q, s = quantize_1x128_ref(x, pow2_scales)
         qt, st = quantize_1x128_ref(x.t(), pow2_scales)
         return q, s, qt, st
-    q, s, qt, st = _launch_1x128(x, None, True, True, pow2_scales)
+    if QUANT_OPTIONS["dual_fused"]:
+        return _launch_1x128(x, None, True, True, pow2_scales)  # type: ignore[return-value]
+    q, s, _, _ = _launch_1x128(x, None, True, False, pow2_scales)
+    _, _, qt, st = _launch_1x128(x, None, False, True, pow2_scales)
     return q, s, qt, st
 
 

@@ -43,7 +43,7 @@ def operands(m, n, k, device, b_blockwise=True):
     [
         None,
         GemmConfig(64, 64, 4, tma=True),
-        GemmConfig(64, 64, 4, tma=True, persistent=True),
+        GemmConfig(64, 64, 4, tma=True, persistent=True, warp_specialize=True),
         GemmConfig(64, 128, 4, pipe=True),
         GemmConfig(64, 64, 4, pipe=True),
     ],

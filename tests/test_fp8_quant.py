@@ -81,8 +81,17 @@ def test_quantize_128x128_bit_exact(device, shape, pow2, request):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pow2", [False, True])
-def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, request):
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"col_block_k": 128, "dual_fused": True, "trans32": False}, {"col_block_k": 32}],
+    ids=["default", "fused-128", "bk32"],
+)
+def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request, monkeypatch):
     setup_device(device, request)
+    from fp8 import quant
+
+    for key, val in opts.items():  # launch variants must not change a single bit
+        monkeypatch.setitem(quant.QUANT_OPTIONS, key, val)
     x = rand(*shape, device)
     qt, st = quantize_1x128_transposed(x, None, pow2, backend="triton")
     qtr, str_ = quantize_1x128_transposed_ref(x.cpu(), None, pow2)
