@@ -274,7 +274,8 @@ def _launch_1x128(
         x.stride(0), x.stride(1), xs2.stride(0), xs2.stride(1),
         qq2.stride(0), qq2.stride(1), ss.stride(0), ss.stride(1),
         qqt2.stride(0), qqt2.stride(1), sst.stride(0), sst.stride(1),
-        BLOCK_M=block_m, BLOCK_K=block_k, HAS_IN_SCALE=x_scale is not None, DO_ROW=do_row, DO_COL=do_col, POW2=pow2_scales,
+        BLOCK_M=block_m, BLOCK_K=block_k, HAS_IN_SCALE=x_scale is not None, DO_ROW=do_row, DO_COL=do_col,
+        POW2=pow2_scales,
         TRANS32=QUANT_OPTIONS["trans32"], num_warps=QUANT_OPTIONS["col_warps"] if do_col else 4,
     )  # fmt: skip
     return q, s, qt, st
