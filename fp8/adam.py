@@ -366,16 +366,18 @@ def fp8_adamw_update_triton(
     block_size: int,
     cfg: KernelConfig = KernelConfig(),
     plan: LaunchPlan | None = None,
+    trust_static: bool = False,
 ) -> LaunchPlan:
     """One fused launch over all `tensors` = [(param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root,
     exp_avg_sq_root_scale), ...]: params fp32 contiguous (any shape), grads contiguous and all of one
     dtype, moments uint8 [numel], scales fp32 [ceil(numel / block_size)], all on one device.
 
-    Returns the launch plan; pass it back as `plan` to skip rebuilding the tables when no pointer moved.
+    Returns the launch plan; pass it back as `plan` to skip rebuilding the tables when no pointer moved
+    (`trust_static`: the caller has checked that params and state did not move; only grads are checked).
     """
     if not _HAS_TRITON:
         raise RuntimeError("FP8AdamW's fused kernel needs triton; use backend='torch' on this machine")
-    if plan is None or plan.key != _static_key(tensors):
+    if plan is None or not (trust_static or plan.key == _static_key(tensors)):
         plan = build_launch_plan(tensors, block_size, cfg)
     gkey = tuple(tup[1].data_ptr() for tup in tensors)
     if plan.gtable is None or plan.gkey != gkey:
@@ -452,6 +454,8 @@ class FP8AdamW(torch.optim.Optimizer):
         self.backend = backend
         self.kernel = kernel or KernelConfig()
         self._plans: dict[tuple, LaunchPlan] = {}
+        self._fast: dict[int, dict[str, Any]] = {}  # id(param group) -> what `_fast_step` reuses
+        self._version = 0  # bumped whenever state tensors may have been replaced
         self._zero_checked = False
         super().__init__(params, defaults)
 
@@ -486,6 +490,8 @@ class FP8AdamW(torch.optim.Optimizer):
                     v = v.to(torch.uint8)
                 self.state[p][k] = v.to(device=p.device, copy=True)
         self._plans.clear()  # state tensors were replaced: rebuild pointer tables
+        self._fast.clear()
+        self._version += 1
 
     # -- step ------------------------------------------------------------------------------------------
 
@@ -510,6 +516,71 @@ class FP8AdamW(torch.optim.Optimizer):
         return device.type == "cuda" and _HAS_TRITON
 
     def _step_group(self, group: dict[str, Any]) -> None:
+        if self._fast_step(group):
+            return
+        self._slow_step(group)
+
+    def _fast_step(self, group: dict[str, Any]) -> bool:
+        """The common case at low host cost (hundreds of tensors per group): the same params have grads
+        and sit where they did, their state was checked before, one grad dtype, one step count, the
+        Triton backend. Returns False (having changed nothing) when the general path must run."""
+        cache = self._fast.get(id(group))
+        if cache is None or cache["version"] != self._version:
+            return False
+        ps = [p for p in group["params"] if p.grad is not None]
+        if list(map(id, ps)) != cache["ids"] or [p.data_ptr() for p in ps] != cache["pptrs"]:
+            return False
+        grads = [p.grad for p in ps]
+        gd = grads[0].dtype
+        if any(g.dtype != gd or g.is_sparse or not g.is_contiguous() for g in grads):
+            return False
+        is_fp8 = cache["is_fp8"]
+        steps = cache["steps"]
+        torch._foreach_add_(steps, 1.0)
+        lo, hi = torch.aminmax(torch.stack(steps))
+        step = int(lo.item())
+        if step != int(hi.item()):  # mixed step counts: undo and let the general path group them
+            torch._foreach_add_(steps, -1.0)
+            return False
+        beta1, beta2 = group["betas"]
+        bs = int(group["block_size"])
+        s = AdamScalars.from_hparams(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
+        fp8_grads = [g for g, f in zip(grads, is_fp8) if f]
+        tensors = [(t[0], g, *t[1:]) for t, g in zip(cache["tuples"], fp8_grads)]
+        pkey = ("fast", id(group), gd)
+        self._plans[pkey] = fp8_adamw_update_triton(
+            tensors, s, bs, self.kernel, plan=self._plans.get(pkey), trust_static=True
+        )
+        if cache["small"]:
+            small = [(p, g, st) for (p, st), g in zip(cache["small"], (g for g, f in zip(grads, is_fp8) if not f))]
+            self._step_fp32_moments(group, small)
+        return True
+
+    def _remember_fast(self, group: dict[str, Any], fp8: list, small: list) -> None:
+        """Record a group for `_fast_step` when it qualifies (contiguous params on one Triton device)."""
+        self._fast.pop(id(group), None)
+        if not fp8 or not all(p.is_contiguous() for p, _, _ in fp8):
+            return
+        device = fp8[0][0].device
+        if not self._use_triton(device) or any(p.device != device for p, _, _ in fp8):
+            return
+        ps = [p for p in group["params"] if p.grad is not None]
+        fp8_ids = {id(p) for p, _, _ in fp8}
+        small_states = {id(p): st for p, _, st in small}
+        self._fast[id(group)] = {
+            "version": self._version,
+            "ids": [id(p) for p in ps],
+            "pptrs": [p.data_ptr() for p in ps],
+            "is_fp8": [id(p) in fp8_ids for p in ps],
+            "steps": [st["step"] for _, _, st in fp8],
+            "tuples": [
+                (p, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"])
+                for p, _, st in fp8
+            ],
+            "small": [(p, small_states[id(p)]) for p in ps if id(p) in small_states],
+        }
+
+    def _slow_step(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
         bs = int(group["block_size"])
         small: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
@@ -569,23 +640,30 @@ class FP8AdamW(torch.optim.Optimizer):
                         fp8_adamw_update_reference(p.view(-1), g.view(-1), *st, s=s, block_size=bs)
             for p, pf in writebacks:
                 p.copy_(pf)
+        self._remember_fast(group, fp8, small)
 
         if small:
-            _torch_adamw(
-                [p for p, _, _ in small],
-                [g for _, g, _ in small],
-                [st["exp_avg"] for _, _, st in small],
-                [st["exp_avg_sq"] for _, _, st in small],
-                [],
-                [st["step"] for _, _, st in small],
-                amsgrad=False,
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-            )
+            self._step_fp32_moments(group, small)
+
+    @staticmethod
+    def _step_fp32_moments(group: dict[str, Any], small: list) -> None:
+        """Tensors below min_fp8_numel: torch's own AdamW (foreach) on fp32 moments."""
+        beta1, beta2 = group["betas"]
+        _torch_adamw(
+            [p for p, _, _ in small],
+            [g for _, g, _ in small],
+            [st["exp_avg"] for _, _, st in small],
+            [st["exp_avg_sq"] for _, _, st in small],
+            [],
+            [st["step"] for _, _, st in small],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -655,6 +733,9 @@ def _check_param(p: torch.Tensor) -> None:
 
 def _check_fp8_state(p: torch.Tensor, state: dict, block_size: int) -> None:
     n, nb = p.numel(), -(-p.numel() // block_size)
+    if state["exp_avg"].numel() == n and state["exp_avg_scale"].numel() == nb:
+        if state["exp_avg_sq_root"].numel() == n and state["exp_avg_sq_root_scale"].numel() == nb:
+            return
     shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
     want = {"exp_avg": (n,), "exp_avg_scale": (nb,), "exp_avg_sq_root": (n,), "exp_avg_sq_root_scale": (nb,)}
     if shapes != want:
