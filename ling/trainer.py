@@ -13,6 +13,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from data import build_loader
+from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
 from ling import checkpoint
 from ling.engine import build_engine, model_config_from, resolve_device
 from ling.launch import init_distributed
@@ -42,7 +43,7 @@ def run_dir_from_hydra() -> Path:
 
 
 def fp8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "collect_health")]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear)]
 
 
 def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
@@ -116,6 +117,10 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
             engine.step()
             parts = [out.loss, out.lm_loss, out.mtp_loss if out.mtp_loss is not None else out.loss * 0, out.z_loss]
             sums += torch.tensor([float(p.detach()) for p in parts], dtype=torch.float64)
+        if fp8_layers:
+            # DeepSpeed ZeRO writes the updated weights through `.data`, which autograd's version counter does
+            # not see: drop the FP8 weight caches so each FP8Linear re-quantizes once for the next step.
+            invalidate_fp8_weight_caches()
         loads = [r.update_expert_bias(bias_rate) for r in routers]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
