@@ -37,14 +37,12 @@ from fp8.quant import (  # noqa: E402
 )
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120)}
-SWEEP = [
-    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # run-2 best fprop
-    GemmConfig(128, 128, 8, 8, 5),  # run-2 best wgrad
-    GemmConfig(256, 128, 8, 16, 3),
-    GemmConfig(256, 128, 8, 16, 3, tma=True, persistent=True, warp_specialize=True),
-    GemmConfig(256, 128, 8, 16, 4, tma=True, persistent=True),
-    GemmConfig(128, 256, 8, 16, 3, tma=True, persistent=True, warp_specialize=True),
+SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
+    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # default fprop/dgrad
     GemmConfig(128, 128, 8, 8, 5, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 8, 8, 4, tma=True),
+    GemmConfig(128, 128, 8, 8, 5),  # default wgrad
+    GemmConfig(128, 128, 8, 8, 4),
 ]
 
 
@@ -286,7 +284,7 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
     return rows
 
 
-def run_quant(m: int, log: dict) -> list[list[str]]:
+def run_quant(m: int, log: dict, sweep: bool) -> list[list[str]]:
     from fp8 import quant as Q
 
     rows = []
@@ -310,12 +308,12 @@ def run_quant(m: int, log: dict) -> list[list[str]]:
         )
     )
     best = None
-    for opts in (
+    sweeps = (
+        {"col_warps": 4, "col_block_k": 128, "dual_fused": True},
         {"col_warps": 4, "col_block_k": 64, "dual_fused": False},
         {"col_warps": 4, "col_block_k": 32, "dual_fused": False},
-        {"col_warps": 8, "col_block_k": 128, "dual_fused": True},
-        {"col_warps": 4, "col_block_k": 128, "dual_fused": False},
-    ):
+    )
+    for opts in sweeps if sweep else (dict(Q.QUANT_OPTIONS),):
         Q.QUANT_OPTIONS.update(opts)
         tot = 0.0
         for name, fn, nbytes in cases:
@@ -331,6 +329,7 @@ def run_quant(m: int, log: dict) -> list[list[str]]:
     Q.QUANT_OPTIONS.update(best[1])
     log["quant_options"] = best[1]
     print(f"chosen quant options: {best[1]}", flush=True)
+    print(table(["kernel", "options", "us", "GB/s"], rows), flush=True)
     return rows
 
 
@@ -367,6 +366,20 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), "|" + "|".join("-" * (x + 2) for x in w) + "|"] + [line(r) for r in rows])
 
 
+GEMM_HEADER = [
+    "shape",
+    "gemm",
+    "MxNxK",
+    "ours",
+    "cuBLAS bw",
+    "bf16",
+    "ours/cuBLAS",
+    "ours/bf16",
+    "err ours",
+    "err cuBLAS",
+]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
@@ -378,14 +391,14 @@ def main() -> None:
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     log: dict = {}
     gemm_rows = run_gemms(args.tokens, args.sweep, log)
-    print(f"GEMM table so far: {json.dumps(gemm_rows)}", flush=True)
-    quant_rows = run_quant(args.tokens, log)
-    layer_rows = [] if args.skip_layers else run_layers(args.tokens, log)
+    print(table(GEMM_HEADER, gemm_rows), flush=True)
+    quant_rows = run_quant(args.tokens, log, args.sweep)
     try:
         print("\n## Profile: FP8Linear gate_up (N=10240, K=2048) fwd+bwd x10", flush=True)
         print(profile_layer(args.tokens, 10240, 2048, args.out), flush=True)
     except Exception as e:  # noqa: BLE001
         print(f"profile failed: {e}", flush=True)
+    layer_rows = [] if args.skip_layers else run_layers(args.tokens, log)
     with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
         json.dump(log, f, indent=1, default=str)
     print("\nbest configs:", json.dumps(log.get("best_cfg", {}), indent=1))
@@ -396,23 +409,7 @@ def main() -> None:
         print(f"\n## FP8Linear forward+backward, {args.tokens} tokens (TFLOPS = 6MNK/time, median)")
         print(table(["shape", "layer", "TFLOPS", "x bf16", "fwd rel err", "saved MiB", "saved / bf16"], layer_rows))
     print(f"\n## Blockwise FP8 GEMM, {args.tokens} tokens (TFLOPS, median; err = rel. to float64 of dequantized)")
-    print(
-        table(
-            [
-                "shape",
-                "gemm",
-                "MxNxK",
-                "ours",
-                "cuBLAS bw",
-                "bf16",
-                "ours/cuBLAS",
-                "ours/bf16",
-                "err ours",
-                "err cuBLAS",
-            ],
-            gemm_rows,
-        )
-    )
+    print(table(GEMM_HEADER, gemm_rows))
 
 
 if __name__ == "__main__":
