@@ -295,7 +295,7 @@ def main() -> None:
 
     shapes_a = LAYOUTS["476x1024x2048"](args.params)
     sweep = []
-    for nb in (8, 16, 32):
+    for nb in (16, 32):
         for nw in (4, 8):
             r = bench_one("fp8_adamw (ours)", shapes_a, KernelConfig(blocks_per_program=nb, num_warps=nw))
             r["config"] = f"NB={nb} warps={nw}"
