@@ -25,8 +25,13 @@ def test_fp8_weight_cache_is_refreshed_after_each_deepspeed_step(stage, tmp_path
         cfg = compose(config_name="config", overrides=[
             "+exp=tiny_cpu", "data=synthetic", "precision=fp8", f"deepspeed=zero{stage}", "train.steps=3",
             "train.seq_len=32", "model.num_layers=2", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-            "train.save_final=false", "optim.warmup_steps=1", "optim.lr=1e-2", "train.resume=none"])
-    train(cfg, run_dir=tmp_path)
+            "train.save_final=false", "optim.warmup_steps=1", "optim.lr=1e-2", "train.resume=none",
+            "fp8.health_every=2"])
+    metrics = train(cfg, run_dir=tmp_path)
+    # health is sampled on steps 0 and 2 (every 2): the last step's metrics carry it, per layer and averaged
+    assert 0.0 <= metrics["fp8/mean/act_underflow"] <= 1.0
+    assert 0.0 <= metrics["fp8/mean/gradT_distortion"] <= 1.0
+    assert any(k.startswith("fp8/layers.0.attention.query_key_value/") for k in metrics)
     model = engines[0][0].module
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert layers
@@ -35,3 +40,22 @@ def test_fp8_weight_cache_is_refreshed_after_each_deepspeed_step(stage, tmp_path
         fresh_q, fresh_s = quantize_128x128(lin.weight.detach())
         assert torch.equal(cached_q.view(torch.uint8), fresh_q.view(torch.uint8))
         assert torch.equal(cached_s, fresh_s)
+
+
+def test_precision_switch_puts_fp8_exactly_in_the_design_linears():
+    from model.config import ModelConfig
+    from model.ling import LingForCausalLM
+
+    model = LingForCausalLM(ModelConfig.preset("tiny", vocab_size=256, precision="fp8"))
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    high = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not isinstance(m, FP8Linear)}
+    expected_fp8 = set()
+    for prefix in ["layers.0", "layers.1", "layers.2", "mtp_layers.0.transformer_layer"]:
+        expected_fp8 |= {f"{prefix}.attention.query_key_value", f"{prefix}.attention.dense"}
+        mlp = f"{prefix}.mlp" if prefix == "layers.0" else f"{prefix}.mlp.shared_experts"
+        expected_fp8 |= {f"{mlp}.gate_up_proj", f"{mlp}.down_proj"}
+    assert fp8 == expected_fp8
+    assert high == {"lm_head", "mtp_layers.0.eh_proj"}  # stay high precision, like embeddings and routers
+    bf16 = LingForCausalLM(ModelConfig.preset("tiny", vocab_size=256))
+    assert not any(isinstance(m, FP8Linear) for m in bf16.modules())
+    assert bf16.state_dict().keys() == model.state_dict().keys()  # drop-in: same checkpoint layout
