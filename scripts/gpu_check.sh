@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels
+# (fill .whl first with `bash ../shared/tools/gpu_wheels.sh torchao==0.17.0`), run every `gpu` test, then
+# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LING_TEST_GPU=1 TRITON_INTERPRET=0
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -e bitsandbytes -e torchao || true)
+[ "${WITH_PEERS:-0}" = 1 ] && wheels=$(ls .whl/*.whl)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $wheels
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+steps=${*:-tests train}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+for s in $steps; do
+  case $s in
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    train) python3 bench/bench_train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/bench_train.log" | tail -30 ;;
+    linear) python3 bench/bench_fp8_linear.py --out "$OUT" 2>&1 | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
+    adam) python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
+  esac
+done
