@@ -134,8 +134,9 @@ def quantize_blockwise_reference(
     n = x.numel()
     xb = _blocks(x.float().reshape(-1), block_size)
     amax = xb.abs().amax(dim=1)
-    scale = torch.clamp(amax, min=AMAX_FLOOR) / E4M3_MAX
-    y = xb / scale[:, None]
+    amax = torch.clamp(amax, min=AMAX_FLOOR)
+    scale = amax / E4M3_MAX
+    y = xb * (E4M3_MAX / amax)[:, None]  # one division per block, as in the kernel
     if floor_nonzero:
         y = torch.where(xb > 0, torch.clamp(y, min=E4M3_MIN_SUBNORMAL), y)
     q = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n]
@@ -168,7 +169,8 @@ def fp8_adamw_update_reference(
     g = grad.reshape(-1).float()
     m = dequantize_blockwise_reference(exp_avg, exp_avg_scale, block_size)
     r = dequantize_blockwise_reference(exp_avg_sq_root, exp_avg_sq_root_scale, block_size)
-    # Same operation order as the kernel, so that both round identically (fp32 throughout).
+    # Same operations as the kernel (fp32 throughout). The interpreted kernel rounds like this; the compiled
+    # one uses the GPU's approximate fp32 division and square root (≤ 2 ulp) and may fuse a·b+c into FMAs.
     m = s.beta1 * m + s.omb1 * g
     v = s.beta2 * (r * r) + s.omb2 * (g * g)
     r = torch.sqrt(v)
@@ -192,10 +194,14 @@ TABLE_COLS = 8  # p_off, m_off, ms_off, r_off, rs_off, numel, unused, unused (el
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape of the fused kernel: NB blocks of block_size elements per program."""
+    """Launch shape of the fused kernel: each program updates `iters_per_program` tiles of
+    `blocks_per_program` blocks. With blocks_per_program · block_size = 4 · 32 · num_warps every thread
+    holds 4 contiguous elements, so fp32 and fp8 accesses share one layout (16- and 4-byte accesses, no
+    layout conversion through shared memory)."""
 
     blocks_per_program: int = 16
-    num_warps: int = 8
+    num_warps: int = 16
+    iters_per_program: int = 1
 
 
 if _HAS_TRITON:
@@ -231,14 +237,16 @@ if _HAS_TRITON:
         r = rq * rs[:, None]
         m = beta1 * m + omb1 * g
         v = beta2 * (r * r) + omb2 * (g * g)
-        r = tl.sqrt_rn(v)
+        r = tl.sqrt(v)
         denom = r * inv_sqrt_bc2 + eps
-        p = p * decay - step_size * tl.div_rn(m, denom)
+        p = p * decay - step_size * (m / denom)
         # Requantize: one scale per row (block) of BS elements; masked-off entries are 0 and do not move amax.
-        m_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(m), axis=1), AMAX_MIN), QMAX)
-        r_scale = tl.div_rn(tl.maximum(tl.max(r, axis=1), AMAX_MIN), QMAX)
-        m_out = tl.div_rn(m, m_scale[:, None]).to(tl.float8e4nv)
-        y = tl.div_rn(r, r_scale[:, None])
+        m_amax = tl.maximum(tl.max(tl.abs(m), axis=1), AMAX_MIN)
+        r_amax = tl.maximum(tl.max(r, axis=1), AMAX_MIN)
+        m_scale = m_amax / QMAX
+        r_scale = r_amax / QMAX
+        m_out = tl.clamp(m * (QMAX / m_amax)[:, None], -QMAX, QMAX).to(tl.float8e4nv)
+        y = tl.minimum(r * (QMAX / r_amax)[:, None], QMAX)
         r_out = tl.where(r > 0.0, tl.maximum(y, QMIN_SUB), y).to(tl.float8e4nv)  # never flush sqrt(v) to 0
         if MASKED:
             tl.store(p_ptr + idx, p, mask=mask)
@@ -258,7 +266,7 @@ if _HAS_TRITON:
         p_base, g_base, m_base, ms_base, r_base, rs_base,
         table_ptr, gtable_ptr, chunk_tensor_ptr, chunk_index_ptr,
         beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-        BS: tl.constexpr, NB: tl.constexpr, ALIGNED: tl.constexpr,
+        BS: tl.constexpr, NB: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr,
         AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, QMIN_SUB: tl.constexpr,
     ):  # fmt: skip
         # Each tensor is addressed as base pointer + element offset (offsets computed on the host from
@@ -279,22 +287,23 @@ if _HAS_TRITON:
             g_off = tl.multiple_of(g_off, 16)
             m_off = tl.multiple_of(m_off, 16)
             r_off = tl.multiple_of(r_off, 16)
-        start = c * (NB * BS)
-        blk0 = c * NB
-        if start + NB * BS <= numel:
-            _adam_chunk(
-                p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
-                rs_base + rs_off, numel, start, blk0,
-                beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-                BS, NB, False, AMAX_MIN, QMAX, QMIN_SUB,
-            )  # fmt: skip
-        else:
-            _adam_chunk(
-                p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
-                rs_base + rs_off, numel, start, blk0,
-                beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-                BS, NB, True, AMAX_MIN, QMAX, QMIN_SUB,
-            )  # fmt: skip
+        for it in range(ITERS):  # ITERS tiles of NB blocks per program: amortizes the table look-ups
+            blk0 = (c * ITERS + it) * NB
+            start = blk0 * BS
+            if start + NB * BS <= numel:
+                _adam_chunk(
+                    p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
+                    rs_base + rs_off, numel, start, blk0,
+                    beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
+                    BS, NB, False, AMAX_MIN, QMAX, QMIN_SUB,
+                )  # fmt: skip
+            elif start < numel:
+                _adam_chunk(
+                    p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
+                    rs_base + rs_off, numel, start, blk0,
+                    beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
+                    BS, NB, True, AMAX_MIN, QMAX, QMIN_SUB,
+                )  # fmt: skip
 
 
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
@@ -346,7 +355,7 @@ def build_launch_plan(tensors: Sequence[tuple[torch.Tensor, ...]], block_size: i
         aligned &= offs[0] % 16 == 0 and offs[1] % 16 == 0 and offs[3] % 16 == 0
         rows.append(offs + [tup[0].numel(), 0, 0])
     device = base[0].device
-    chunk = cfg.blocks_per_program * block_size
+    chunk = cfg.iters_per_program * cfg.blocks_per_program * block_size
     counts = torch.tensor([-(-r[5] // chunk) for r in rows], dtype=torch.int64)
     starts = torch.cumsum(counts, 0) - counts
     chunk_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
@@ -391,7 +400,8 @@ def fp8_adamw_update_triton(
         p, g, m.view(torch.float8_e4m3fn), ms, r.view(torch.float8_e4m3fn), rs,
         plan.table, plan.gtable, plan.chunk_tensor, plan.chunk_index,
         s.beta1, s.omb1, s.beta2, s.omb2, s.eps, s.decay, s.step_size, s.inv_sqrt_bc2,
-        BS=block_size, NB=cfg.blocks_per_program, ALIGNED=plan.aligned and plan.galigned,
+        BS=block_size, NB=cfg.blocks_per_program, ITERS=cfg.iters_per_program,
+        ALIGNED=plan.aligned and plan.galigned,
         AMAX_MIN=AMAX_FLOOR, QMAX=E4M3_MAX, QMIN_SUB=E4M3_MIN_SUBNORMAL,
         num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -531,39 +541,54 @@ class FP8AdamW(torch.optim.Optimizer):
         if list(map(id, ps)) != cache["ids"] or [p.data_ptr() for p in ps] != cache["pptrs"]:
             return False
         grads = [p.grad for p in ps]
-        gd = grads[0].dtype
-        if any(g.dtype != gd or g.is_sparse or not g.is_contiguous() for g in grads):
+        try:
+            gptrs = [g.data_ptr() for g in grads]
+        except RuntimeError:  # e.g. a sparse grad: the general path names the problem
             return False
-        is_fp8 = cache["is_fp8"]
-        steps = cache["steps"]
-        torch._foreach_add_(steps, 1.0)
-        lo, hi = torch.aminmax(torch.stack(steps))
-        step = int(lo.item())
-        if step != int(hi.item()):  # mixed step counts: undo and let the general path group them
-            torch._foreach_add_(steps, -1.0)
-            return False
+        if gptrs != cache["gptrs"]:  # grads moved: check them again
+            gd = grads[0].dtype
+            if any(g.dtype != gd or g.is_sparse or not g.is_contiguous() for g in grads):
+                return False
+            cache["gptrs"], cache["gdtype"] = gptrs, gd
+        cache["step_buf"].add_(1.0)  # every FP8 param's state["step"] is a view into this buffer
+        cache["step"] += 1
         beta1, beta2 = group["betas"]
         bs = int(group["block_size"])
-        s = AdamScalars.from_hparams(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
+        s = AdamScalars.from_hparams(
+            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], cache["step"]
+        )
+        is_fp8 = cache["is_fp8"]
         fp8_grads = [g for g, f in zip(grads, is_fp8) if f]
         tensors = [(t[0], g, *t[1:]) for t, g in zip(cache["tuples"], fp8_grads)]
-        pkey = ("fast", id(group), gd)
+        pkey = ("fast", id(group), cache["gdtype"])
         self._plans[pkey] = fp8_adamw_update_triton(
             tensors, s, bs, self.kernel, plan=self._plans.get(pkey), trust_static=True
         )
         if cache["small"]:
-            small = [(p, g, st) for (p, st), g in zip(cache["small"], (g for g, f in zip(grads, is_fp8) if not f))]
-            self._step_fp32_moments(group, small)
+            small_grads = [g for g, f in zip(grads, is_fp8) if not f]
+            self._step_fp32_moments(group, [(p, g, st) for (p, st), g in zip(cache["small"], small_grads)])
         return True
 
     def _remember_fast(self, group: dict[str, Any], fp8: list, small: list) -> None:
-        """Record a group for `_fast_step` when it qualifies (contiguous params on one Triton device)."""
+        """Record a group for `_fast_step` when it qualifies (contiguous params on one Triton device, one
+        grad dtype, one step count). Re-points each FP8 param's state["step"] to a view into one shared
+        buffer, so that a step increments all of them with one op."""
         self._fast.pop(id(group), None)
         if not fp8 or not all(p.is_contiguous() for p, _, _ in fp8):
             return
         device = fp8[0][0].device
         if not self._use_triton(device) or any(p.device != device for p, _, _ in fp8):
             return
+        grads = [g for _, g, _ in fp8] + [g for _, g, _ in small]
+        gd = grads[0].dtype
+        if any(g.dtype != gd or not g.is_contiguous() for g in grads):
+            return
+        steps = torch.stack([st["step"].reshape(()) for _, _, st in fp8]).float()
+        if not bool((steps == steps[0]).all()):
+            return
+        buf = steps.clone()
+        for i, (_, _, st) in enumerate(fp8):
+            st["step"] = buf[i]
         ps = [p for p in group["params"] if p.grad is not None]
         fp8_ids = {id(p) for p, _, _ in fp8}
         small_states = {id(p): st for p, _, st in small}
@@ -571,8 +596,11 @@ class FP8AdamW(torch.optim.Optimizer):
             "version": self._version,
             "ids": [id(p) for p in ps],
             "pptrs": [p.data_ptr() for p in ps],
+            "gptrs": [p.grad.data_ptr() for p in ps],
+            "gdtype": gd,
             "is_fp8": [id(p) in fp8_ids for p in ps],
-            "steps": [st["step"] for _, _, st in fp8],
+            "step_buf": buf,
+            "step": int(buf[0].item()),
             "tuples": [
                 (p, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"])
                 for p, _, st in fp8

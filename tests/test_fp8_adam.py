@@ -111,8 +111,15 @@ def test_second_moment_underflow():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(device, grad_dtype, request):
+@pytest.mark.parametrize(
+    "grad_dtype, cfg",
+    [
+        (torch.float32, KernelConfig()),
+        (torch.bfloat16, KernelConfig()),
+        (torch.float32, KernelConfig(blocks_per_program=8, num_warps=8, iters_per_program=3)),
+    ],
+)
+def test_kernel_matches_reference(device, grad_dtype, cfg, request):
     setup_device(device, request)
     bs = 128
     gen = torch.Generator().manual_seed(1)
@@ -121,7 +128,7 @@ def test_kernel_matches_reference(device, grad_dtype, request):
     ours = [random_state(n, bs, gen, device, grad_dtype) for n in sizes]
     ref = [[t.clone().cpu() for t in st] for st in ours]
     s = AdamScalars.from_hparams(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7)
-    fp8_adamw_update_triton([tuple(st) for st in ours], s, bs, KernelConfig(blocks_per_program=16))
+    fp8_adamw_update_triton([tuple(st) for st in ours], s, bs, cfg)
     for st in ref:
         fp8_adamw_update_reference(*st, s=s, block_size=bs)
     for a, b in zip(ours, ref):
@@ -129,7 +136,7 @@ def test_kernel_matches_reference(device, grad_dtype, request):
         # fp32 maths in both, but the compiled kernel may contract a·b+c into an FMA and torch's vectorised
         # sqrt is not always correctly rounded: params agree to a few fp32 ulps, and a stored moment may
         # land one E4M3 code away on the rare element whose fp32 value sits on a rounding boundary.
-        torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1.2e-7)  # 1 ulp at |p| ~ 1
         torch.testing.assert_close(a[3], b[3], rtol=1e-6, atol=0)
         torch.testing.assert_close(a[5], b[5], rtol=1e-6, atol=0)
         for qa, qb in ((a[2], b[2]), (a[4], b[4])):
