@@ -88,3 +88,16 @@ def test_deepspeed_launcher_local_rank_argument_does_not_break_hydra(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_fp8_run_with_fp8_adam_resumes_exactly(tmp_path):
+    fp8 = ["precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0", "train.steps=4", "train.micro_batch_size=2"]
+    full = run_train(tmp_path / "full", 1, [*fp8, "train.save_every=2"])
+    ckpts = tmp_path / "full" / "checkpoints"
+    shutil.copytree(ckpts / "step00000002", tmp_path / "resumed" / "checkpoints" / "step00000002")
+    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("step00000002")
+    resumed = run_train(tmp_path / "resumed", 1, fp8)
+    assert [m["step"] for m in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        assert b["loss"] == a["loss"] and b["grad_norm"] == a["grad_norm"], (a, b)
