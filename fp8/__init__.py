@@ -1,9 +1,10 @@
-"""FP8 numerics: blockwise E4M3 quantizers, blockwise FP8 GEMMs, `FP8Linear`, health statistics.
+"""FP8 numerics: blockwise E4M3 quantizers, blockwise FP8 GEMMs, `FP8Linear`, `FP8AdamW`, health statistics.
 
 Triton kernels run on CUDA tensors; every kernel has a plain-PyTorch reference used on CPU and in tests.
 Importing this package needs neither CUDA nor Triton.
 """
 
+from fp8.adam import FP8AdamW
 from fp8.gemm import fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad, fp8_gemm_wgrad_ref
 from fp8.health import distortion, health_stats, underflow
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
@@ -18,6 +19,7 @@ from fp8.quant import (
 )
 
 __all__ = [
+    "FP8AdamW",
     "FP8Linear",
     "distortion",
     "fp8_gemm",

@@ -109,6 +109,10 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
 
     use_bf16 = device.type == "cuda" and bool(cfg.deepspeed.get("bf16", True))
     ds_config = deepspeed_config(cfg, use_bf16)
+    if cfg.optim.name == "fp8_adamw":
+        from fp8.adam import check_deepspeed_config
+
+        check_deepspeed_config(ds_config)  # ZeRO's elastic checkpoint would break per-block moment scales
     if int(cfg.deepspeed.zero_stage) == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = LingForCausalLM(model_config)

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -91,3 +92,11 @@ def test_deepspeed_local_rank_argument_is_stripped(argv, monkeypatch):
     import os
 
     assert os.environ["LOCAL_RANK"] == "1"
+
+
+def test_fp8_adamw_with_elastic_checkpoint_is_refused_up_front():
+    from ling.engine import build_engine
+
+    cfg = compose_cfg(["+exp=tiny_cpu", "optim=fp8_adamw", "+deepspeed.zero_extra.elastic_checkpoint=true"])
+    with pytest.raises(ValueError, match="elastic_checkpoint"):
+        build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
