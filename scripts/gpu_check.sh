@@ -16,9 +16,11 @@ steps=${*:-tests train}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 for s in $steps; do
   case $s in
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    train) python3 bench/bench_train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/bench_train.log" | tail -30 ;;
-    linear) python3 bench/bench_fp8_linear.py --out "$OUT" 2>&1 | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
-    adam) python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
+    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -n "${XDIST:-4}" -p no:cacheprovider tests/ 2>&1 \
+             | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    train) timeout "${T_TRAIN:-300}" python3 bench/bench_train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/bench_train.log" | tail -30 ;;
+    linear) timeout "${T_LINEAR:-200}" python3 bench/bench_fp8_linear.py --out "$OUT" 2>&1 \
+             | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
+    adam) timeout "${T_ADAM:-150}" python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
   esac
 done
