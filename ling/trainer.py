@@ -109,14 +109,14 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        sums = torch.zeros(4, dtype=torch.float64)  # loss, lm_loss, mtp_loss, z_loss
+        sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, lm_loss, mtp_loss, z_loss (NCCL: on GPU)
         for _ in range(accum):
             batch = {k: v.to(device, non_blocking=True) for k, v in loader.next_batch().items()}
             out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
             engine.backward(out.loss)
             engine.step()
             parts = [out.loss, out.lm_loss, out.mtp_loss if out.mtp_loss is not None else out.loss * 0, out.z_loss]
-            sums += torch.tensor([float(p.detach()) for p in parts], dtype=torch.float64)
+            sums += torch.stack([p.detach().double() for p in parts])
         if fp8_layers:
             # DeepSpeed ZeRO writes the updated weights through `.data`, which autograd's version counter does
             # not see: drop the FP8 weight caches so each FP8Linear re-quantizes once for the next step.

@@ -32,10 +32,14 @@ def test_grouped_mm_experts_match_segment_loop_forward_and_backward():
     ref = ref_experts(xr, counts)  # fp32 → loop path
     ref.square().sum().backward()
     r_grads = [xr.grad] + [p.grad for p in ref_experts.parameters()]
-    # bf16 operands with fp32 accumulation vs fp32: ~3 significant digits
-    torch.testing.assert_close(grouped.float(), ref, atol=2e-2, rtol=2e-2)
+    # bf16 operands and outputs vs fp32: elementwise errors are bf16 roundings (2^-8 relative) of values that
+    # can be large sums over 200 tokens, so compare relative to the tensor norm (~0.3% measured scale)
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    assert rel(grouped, ref) < 1e-2
     for g, r in zip(g_grads, r_grads):
-        torch.testing.assert_close(g.float(), r, atol=5e-2, rtol=5e-2)
+        assert rel(g, r) < 1e-2
 
 
 def test_bf16_train_step_on_gpu_decreases_loss():
