@@ -24,6 +24,7 @@ VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],
     "fp8": ["precision=fp8", "optim=fp8_adamw"],
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
+    "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
 }
 
 
