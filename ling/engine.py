@@ -53,12 +53,15 @@ def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig) -> torc
         raise ValueError(f"optim.{unknown[0]}: unknown optimizer key for optim.name={optim.get('name')!r}")
     common = {"lr": float(optim.lr), "betas": tuple(float(b) for b in optim.betas), "eps": float(optim.eps),
               "weight_decay": float(optim.weight_decay)}
+    groups = list(groups)
     if optim.name == "adamw":
-        return torch.optim.AdamW(list(groups), **common)
+        # fused on GPU: one kernel per step and no foreach temporaries (which cost ~20 GB on a 5.6B model)
+        on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, **common, fused=True if on_cuda else None)
     if optim.name == "fp8_adamw":
         from fp8.adam import FP8AdamW
 
-        return FP8AdamW(list(groups), **common, block_size=int(optim.block_size),
+        return FP8AdamW(groups, **common, block_size=int(optim.block_size),
                         min_fp8_numel=int(optim.min_fp8_numel))
     raise ValueError(f"optim.name={optim.name!r} is unknown (known: adamw, fp8_adamw)")
 
