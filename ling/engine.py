@@ -106,6 +106,20 @@ def resolve_device(cfg: DictConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def init_partitioned_parameters(model: LingForCausalLM) -> None:
+    """Under `zero.Init` each module's parameters are partitioned as soon as the module is built, so the
+    model's own initialisation ran on empty shards. Gather each parameter, initialise it on rank 0 and let
+    DeepSpeed scatter the result (one parameter at a time, so no rank ever holds the whole model)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if rank == 0:
+                model.init_parameter(name, p)
+
+
 def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.device):
     """→ (DeepSpeed engine, LambdaLR scheduler). bf16 on GPU, fp32 on CPU; ZeRO stage from config."""
     import deepspeed
@@ -119,6 +133,7 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     if int(cfg.deepspeed.zero_stage) == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = LingForCausalLM(model_config)
+        init_partitioned_parameters(model)
     else:
         with torch.device(device):
             model = LingForCausalLM(model_config)

@@ -107,14 +107,18 @@ class LingForCausalLM(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
+    def init_parameter(self, name: str, p: torch.Tensor) -> None:
+        """Normal(0, init_std) for a matrix (or stacked expert matrices), ones for a norm gain."""
+        if p.dim() >= 2:
+            nn.init.normal_(p, 0.0, self.config.init_std)
+        elif name.endswith("weight"):  # RMSNorm gains
+            nn.init.ones_(p)
+
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for every matrix, ones for norm gains, zero expert bias."""
-        std = self.config.init_std
+        """Initialise every parameter (`init_parameter`) and zero the expert biases."""
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, 0.0, std)
-            elif name.endswith("weight"):  # RMSNorm gains
-                nn.init.ones_(p)
+            self.init_parameter(name, p)
         for m in self.modules():
             if isinstance(m, Router):
                 m.expert_bias.zero_()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -13,8 +13,10 @@ from model.config import ModelConfig
 from model.layers import MLP
 
 
-@dataclass
-class RouterOutput:
+class RouterOutput(NamedTuple):
+    """A NamedTuple, not a dataclass: DeepSpeed ZeRO-3 must see the tensors a module returns to hook their
+    backward (re-gathering the router weight); it looks inside tuples but not inside dataclasses."""
+
     topk_idx: torch.Tensor  # int64 [N, k]: chosen experts per token
     topk_weight: torch.Tensor  # fp32 [N, k]: gates (normalised unbiased scores × scaling factor)
     z_loss: torch.Tensor  # fp32 scalar: mean over tokens of logsumexp(logits)^2 (unweighted)

@@ -43,9 +43,10 @@ def one_process_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_zero2_two_processes_match_one_process_on_the_same_global_batch(one_process_run, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_two_processes_match_one_process_on_the_same_global_batch(one_process_run, tmp_path, stage):
     _, one = one_process_run
-    two = run_train(tmp_path, 2, ["train.steps=6", "train.micro_batch_size=2", "deepspeed=zero2"])
+    two = run_train(tmp_path, 2, ["train.steps=6", "train.micro_batch_size=2", f"deepspeed=zero{stage}"])
     assert [m["step"] for m in one] == [m["step"] for m in two] == list(range(1, 7))
     # fp32 on CPU; the two runs differ only in how gradients are summed (per-rank partial sums then an
     # all-reduce vs one sum), ~1e-7 relative per step, growing slowly over 6 Adam steps.
