@@ -148,8 +148,8 @@ class LingForCausalLM(nn.Module):
         mtp_losses: list[torch.Tensor] = []
         for depth, mtp in enumerate(self.mtp_layers, start=1):
             emb = self.word_embeddings(shift_left(input_ids, depth, 0))
-            ids_doc = None if doc_ids is None else doc_ids  # positions are unchanged by the shift
-            h, losses = self._run_layer(mtp, emb, h, cos, sin, ids_doc)
+            # depth d keeps position t's document mask: its input at t is token t+d, its target token t+d+1
+            h, losses = self._run_layer(mtp, emb, h, cos, sin, doc_ids)
             router_losses = router_losses + losses
             mtp_logits.append(self.lm_head(h))
             if labels is not None:
