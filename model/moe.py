@@ -21,6 +21,7 @@ class RouterOutput(NamedTuple):
     topk_weight: torch.Tensor  # fp32 [N, k]: gates (normalised unbiased scores × scaling factor)
     z_loss: torch.Tensor  # fp32 scalar: mean over tokens of logsumexp(logits)^2 (unweighted)
     aux_loss: torch.Tensor  # fp32 scalar: switch-style balance loss (unweighted)
+    tokens_per_expert: torch.Tensor  # int64 [E]: how many of the N·k assignments each expert received
 
 
 class Router(nn.Module):
@@ -57,16 +58,14 @@ class Router(nn.Module):
         topk_idx = self.select(scores)
         weight = scores.gather(1, topk_idx)
         weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * self.scaling
+        counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts)
         if self.training:
-            with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(topk_idx.flatten(), minlength=self.num_experts).float()
+            self.tokens_per_expert += counts.float()
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
         # switch-style balance loss on normalised scores: E · Σ_e f_e · P_e
-        with torch.no_grad():
-            frac = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).float() / topk_idx.numel()
         probs = scores / scores.sum(-1, keepdim=True)
-        aux_loss = self.num_experts * (frac * probs.mean(0)).sum()
-        return RouterOutput(topk_idx, weight, z_loss, aux_loss)
+        aux_loss = self.num_experts * (counts.float() / topk_idx.numel() * probs.mean(0)).sum()
+        return RouterOutput(topk_idx, weight, z_loss, aux_loss, counts)
 
     @torch.no_grad()
     def select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -153,8 +152,7 @@ class MoE(nn.Module):
         flat_expert = routing.topk_idx.flatten()
         order = torch.argsort(flat_expert, stable=True)  # permutation into per-expert segments
         token_idx = order // k
-        counts = torch.bincount(flat_expert, minlength=self.experts.num_experts)
-        expert_out = self.experts(flat[token_idx], counts)
+        expert_out = self.experts(flat[token_idx], routing.tokens_per_expert)
         weighted = expert_out.float() * routing.topk_weight.flatten()[order].unsqueeze(-1)
         routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device).index_add_(0, token_idx, weighted)
         out = routed.to(x.dtype).view(shape)
