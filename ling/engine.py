@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -92,8 +93,6 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
 
 
 def resolve_device(cfg: DictConfig) -> torch.device:
-    import os
-
     want = cfg.train.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,19 +7,18 @@ import resource
 import torch
 
 from model.config import ModelConfig
-from model.ling import count_parameters
+from model.ling import ParameterCount
 
 # dense bf16 tensor-core peak per GPU, TFLOPS (vendor datasheets); MFU is quoted against bf16 for both
 # precisions so that FP8 and BF16 runs compare on one scale.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "B200": 2250.0}
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+def flops_per_token(config: ModelConfig, counts: ParameterCount, seq_len: int) -> float:
     """Training FLOPs per token: 6 · activated matmul parameters + causal attention 6 · L · T · heads·head_dim.
 
     Embedding lookups are not matmuls and are left out; the LM head counts once per MTP depth too.
     """
-    counts = count_parameters(config)
     embed = config.vocab_size * config.hidden_size
     head_calls = 1 + config.num_mtp_layers
     matmul_params = counts.activated + counts.mtp_activated - 2 * embed + head_calls * embed

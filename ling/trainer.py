@@ -92,7 +92,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
     accum = int(tc.grad_accum)
     tokens_per_step = int(tc.micro_batch_size) * int(tc.seq_len) * accum * world
-    fpt = flops_per_token(model_config, int(tc.seq_len))
+    fpt = flops_per_token(model_config, counts, int(tc.seq_len))
     peak = peak_tflops(device, tc.get("peak_tflops"))
     health_every = int(cfg.fp8.get("health_every", 0) or 0)
     fp8_layers = fp8_modules(model)
@@ -165,7 +165,6 @@ def _health_metrics(fp8_layers) -> dict[str, float]:
         for key, value in stats.items():
             out[f"fp8/{name}/{key}"] = float(value)
             per_key.setdefault(key, []).append(float(value))
-        m.collect_health = False
     for key, values in per_key.items():
         out[f"fp8/mean/{key}"] = float(np.mean(values))
     return out

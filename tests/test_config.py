@@ -27,7 +27,6 @@ def compose_cfg(overrides: list[str]):
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes_and_builds_a_model_config(exp):
     cfg = compose_cfg([f"+exp={exp}"])
-    OmegaConf.resolve(cfg) if "now" not in str(cfg.run_name) else None
     vocab = cfg.data.get("vocab_size") or 8192
     mc = model_config_from(cfg, vocab)
     assert mc.vocab_size >= vocab

@@ -10,7 +10,6 @@ torch's cast. Everything else in the interpreter is left alone.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -50,7 +49,3 @@ def fixed_fp8_cast() -> Iterator[None]:
         yield
     finally:
         interpreter._convert_float = original
-
-
-def interpret_mode_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
