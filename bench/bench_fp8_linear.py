@@ -39,8 +39,10 @@ from fp8.quant import (  # noqa: E402
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120)}
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # default fprop/dgrad
-    GemmConfig(128, 128, 8, 8, 5, tma=True, persistent=True, warp_specialize=True),
-    GemmConfig(128, 128, 8, 8, 4, tma=True),
+    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 16, 8, 4, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
+    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 5),  # default wgrad
     GemmConfig(128, 128, 8, 8, 4),
 ]
@@ -216,6 +218,36 @@ def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
     return total[0]
 
 
+def gpu_busy_ms(step, iters: int = 5) -> float:
+    """Summed CUDA kernel time of one step (torch profiler): the step's cost with host overhead hidden."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    us = 0.0
+    for e in prof.key_averages():
+        us += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    return us / 1e3 / iters
+
+
+def cuda_graph_step(step):
+    """Capture one forward+backward `step` into a CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def run_layers(m: int, log: dict) -> list[list[str]]:
     rows = []
     try:
@@ -256,23 +288,30 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
                 err = rel(y, ref_y)
                 del y
                 ms = bench_ms(step)
+                busy = gpu_busy_ms(step)
                 sb = saved_bytes(layer, x)
-                res[lname] = (ms, err, sb)
+                res[lname] = (ms, err, sb, busy)
                 print(
-                    f"  {name:8s} {lname:26s} {tflops(flops, ms):7.1f} TFLOPS fwd err {err:.2e} saved "
-                    f"{sb / 2**20:.1f} MiB",
+                    f"  {name:8s} {lname:26s} {tflops(flops, ms):7.1f} TFLOPS (GPU busy {tflops(flops, busy):.0f}) "
+                    f"fwd err {err:.2e} saved {sb / 2**20:.1f} MiB",
                     flush=True,
                 )
+                if isinstance(layer, FP8Linear):  # the same step replayed as one CUDA graph: no host overhead
+                    replay = cuda_graph_step(step)
+                    gms = bench_ms(replay)
+                    res["ours FP8Linear, CUDA graph"] = (gms, err, sb, gms)
+                    print(f"  {name:8s} ours, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:8s} {lname} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        bf = res.get("bf16 nn.Linear", (float("nan"),) * 3)
-        for lname, (ms, err, sb) in res.items():
+        bf = res.get("bf16 nn.Linear", (float("nan"),) * 4)
+        for lname, (ms, err, sb, busy) in res.items():
             rows.append(
                 [
                     name,
                     lname,
                     f"{tflops(flops, ms):.0f}",
                     f"{bf[0] / ms:.2f}",
+                    f"{tflops(flops, busy):.0f}",
                     f"{err:.1e}",
                     f"{sb / 2**20:.0f}",
                     f"{sb / bf[2]:.2f}",
@@ -295,23 +334,17 @@ def run_quant(m: int, log: dict, sweep: bool) -> list[list[str]]:
     nx = x.numel()
     cases = [
         ("quantize_1x128 [M,5120] bf16", lambda: quantize_1x128(x), nx * 2 + nx + nx // 32),
-        ("quantize_1x128_dual (dy)", lambda: quantize_1x128_dual(x), nx * 2 + 2 * nx + nx // 16),
+        ("quantize_1x128_dual (row + token-dim)", lambda: quantize_1x128_dual(x), nx * 2 + 2 * nx + nx // 16),
+        ("quantize_1x128_transposed (bf16 x)", lambda: quantize_1x128_transposed(x), 3 * nx + nx // 32),
         ("quantize_1x128_transposed (from fp8 x)", lambda: quantize_1x128_transposed(xq, xs), 2 * nx + nx // 16),
         ("quantize_128x128 [10240,2048]", lambda: quantize_128x128(w), w.numel() * 3),
         ("fp8_transpose_128x128 [10240,2048]", lambda: fp8_transpose_128x128(wq, ws), wq.numel() * 2),
     ]
-    cases.append(
-        (
-            "row + transposed (2 reads of dy)",
-            lambda: (quantize_1x128(x), quantize_1x128_transposed(x)),
-            2 * nx * 2 + 2 * nx + nx // 16,
-        )
-    )
     best = None
-    sweeps = (
-        {"col_warps": 4, "col_block_k": 128, "dual_fused": True},
-        {"col_warps": 4, "col_block_k": 64, "dual_fused": False},
-        {"col_warps": 4, "col_block_k": 32, "dual_fused": False},
+    sweeps = (  # token-dim chunk width and warps (run 1 of this session also timed fused one-read dual kernels)
+        {"col_block_f": 32, "col_warps": 4},
+        {"col_block_f": 64, "col_warps": 4},
+        {"col_block_f": 64, "col_warps": 8},
     )
     for opts in sweeps if sweep else (dict(Q.QUANT_OPTIONS),):
         Q.QUANT_OPTIONS.update(opts)
@@ -322,7 +355,7 @@ def run_quant(m: int, log: dict, sweep: bool) -> list[list[str]]:
             except Exception as e:  # noqa: BLE001
                 print(f"  quant {name} {opts} FAILED {e}", flush=True)
                 ms = float("inf")
-            tot += ms if "2 reads" not in name else 0.0
+            tot += ms
             rows.append([name, str(opts), f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}"])
         if best is None or tot < best[0]:
             best = (tot, dict(opts))
@@ -360,6 +393,51 @@ def profile_layer(m: int, n: int, k: int, out_dir: str) -> str:
     return txt
 
 
+def host_profile(m: int, n: int, k: int, out_dir: str) -> str:
+    """Where the host time of one FP8Linear forward+backward goes: enqueue time per step (no sync: the CPU
+    cost of the Python wrappers and kernel launches), wall time per synchronised step, and a cProfile."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    layer = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        x.grad = None
+        layer.weight.grad = None
+        invalidate_fp8_weight_caches()
+        layer(x).backward(g)
+
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    reps = 50
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t_enqueue = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    t_total = (time.perf_counter() - t0) / reps
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+    txt = (
+        f"FP8Linear [{m}, {k}] -> {n}: host enqueue {t_enqueue * 1e3:.3f} ms/step, "
+        f"wall {t_total * 1e3:.3f} ms/step (50 steps)\n" + buf.getvalue()
+    )
+    with open(os.path.join(out_dir, f"host_profile_{n}x{k}.txt"), "w") as f:
+        f.write(txt)
+    return txt
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |"
@@ -386,10 +464,23 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="time every GemmConfig in SWEEP, report the best")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--skip-layers", action="store_true")
+    p.add_argument("--host", action="store_true", help="only profile the host time of the o_proj/QKV layers")
+    p.add_argument("--layers-only", action="store_true", help="only the FP8Linear layer table")
     args = p.parse_args()
     torch.manual_seed(0)
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     log: dict = {}
+    if args.host:
+        for n, k in (SHAPES["o_proj"], SHAPES["qkv"]):
+            for m in (args.tokens, 4096):
+                print(host_profile(m, n, k, args.out)[:6000], flush=True)
+        return
+    if args.layers_only:
+        layer_rows = run_layers(args.tokens, log)
+        print(f"\n## FP8Linear forward+backward, {args.tokens} tokens (TFLOPS = 6MNK/time, median)")
+        print(table(["shape", "layer", "TFLOPS", "x bf16", "TFLOPS of GPU busy time", "fwd rel err", "saved MiB",
+                     "saved / bf16"], layer_rows))  # fmt: skip
+        return
     gemm_rows = run_gemms(args.tokens, args.sweep, log)
     print(table(GEMM_HEADER, gemm_rows), flush=True)
     quant_rows = run_quant(args.tokens, log, args.sweep)
@@ -407,7 +498,13 @@ def main() -> None:
     print(table(["kernel", "options", "us", "GB/s"], quant_rows))
     if layer_rows:
         print(f"\n## FP8Linear forward+backward, {args.tokens} tokens (TFLOPS = 6MNK/time, median)")
-        print(table(["shape", "layer", "TFLOPS", "x bf16", "fwd rel err", "saved MiB", "saved / bf16"], layer_rows))
+        print(
+            table(
+                ["shape", "layer", "TFLOPS", "x bf16", "TFLOPS of GPU busy time", "fwd rel err", "saved MiB",
+                 "saved / bf16"],
+                layer_rows,
+            )
+        )  # fmt: skip
     print(f"\n## Blockwise FP8 GEMM, {args.tokens} tokens (TFLOPS, median; err = rel. to float64 of dequantized)")
     print(table(GEMM_HEADER, gemm_rows))
 

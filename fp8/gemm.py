@@ -62,11 +62,11 @@ def _default_config(m: int, n: int, k: int, kind: str) -> GemmConfig:
         return GemmConfig(block_m=64, block_n=64, group_m=4)  # small tiles keep the CPU interpreter fast
     if m <= 64:
         return GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
-    # H200 sweep (bench/bench_fp8_linear.py, Ling-mini shapes at 16384 tokens): forward/dgrad fastest with
-    # TMA + persistent grid + warp specialization (805-860 TFLOPS); wgrad with pointer loads, 5 stages.
-    if kind == "wgrad":
-        return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=5)
-    return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=True,
+    # H200 sweep (bench/bench_fp8_linear.py --sweep, Ling-mini shapes at 16384 tokens): every GEMM is fastest
+    # with TMA + persistent grid + warp specialization: forward/dgrad 800-860 TFLOPS with 4 stages, wgrad
+    # 640-660 with 3 (its fp32 epilogue tile takes the shared memory of a fourth; pointer loads: 560-600).
+    stages = 3 if kind == "wgrad" else 4
+    return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=stages, tma=True, persistent=True,
                       warp_specialize=True)  # fmt: skip
 
 
@@ -151,18 +151,21 @@ if HAS_TRITON:
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
             sa = tl.load(as_ptrs + kb * stride_ask)
             sb = tl.load(bs_ptrs + kb * stride_bsk)
-            if SB_SCALAR:
-                sab = (sa * sb)[:, None]
-            else:
-                sab = sa[:, None] * sb[None, :]
             if PIPE:  # issue this block's MMA, then promote the previous block while it runs
+                if SB_SCALAR:
+                    sab = (sa * sb)[:, None]
+                else:
+                    sab = sa[:, None] * sb[None, :]
                 nxt = tl.dot(a, tl.trans(b))
                 acc += part * s_prev
                 part = nxt
                 s_prev = sab
             else:
                 part = tl.dot(a, tl.trans(b))  # fresh fp32 accumulator for this 128-wide K block
-                acc += part * sab
+                if SB_SCALAR:
+                    acc += part * (sa * sb)[:, None]
+                else:  # two per-element multiplies, but no [BLOCK_M, BLOCK_N] outer product of the scales live
+                    acc += (part * sa[:, None]) * sb[None, :]
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         if PIPE:
@@ -215,7 +218,7 @@ if HAS_TRITON:
                 if SB_SCALAR:
                     acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
                 else:
-                    acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+                    acc += (tl.dot(a, tl.trans(b)) * sa[:, None]) * sb[None, :]
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 

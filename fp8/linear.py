@@ -4,10 +4,15 @@ recipe="blockwise" (the default):
 - forward  y  = x·Wᵀ : x quantized 1x128 (along K), W 128x128; bf16 (input dtype) output.
 - dgrad    dx = dy·W : dy quantized 1x128 along N; Wᵀ built on demand from the cached FP8 W by an FP8
   transpose (block scales transposed with it), freed after use: no persistent transposed copy.
-- wgrad    dW = dyᵀ·x: dyᵀ and xᵀ quantized 1x128 along the token dim (dy in the same pass that quantizes
-  it for dgrad; x rebuilt from the FP8 x saved in forward, dequantized in registers and re-quantized
-  along tokens); fp32 GEMM output, cast to the weight's dtype.
-- saved for backward: the FP8 x and its scales (about half the bytes of a bf16 x) and the cached FP8 W.
+- wgrad    dW = dyᵀ·x: dyᵀ and xᵀ quantized 1x128 along the token dim; dyᵀ in the same pass (one read of dy)
+  that quantizes dy for dgrad, xᵀ in the forward's pass over x (one read of x gives the 1x128-along-K x
+  for the forward GEMM and the token-dim xᵀ for wgrad); fp32 accumulation, rounded once to the weight's
+  dtype when the GEMM stores dW.
+- saved for backward: the FP8 x in the layout wgrad reads (xᵀ, 1x128 along tokens) and its scales, about
+  half the bytes of a bf16 x, and the cached FP8 W. (Quantizing xᵀ straight from the high-precision x
+  rounds it once; the alternative, saving x 1x128 along K and re-quantizing it in backward, rounds it
+  twice and costs another pass.) Under torch.no_grad (e.g. the first pass of activation checkpointing) or
+  with a frozen weight, only the forward's x is quantized and nothing is saved for wgrad.
 recipe="tensorwise": one current scale per tensor for x, W and dy (the comparison recipe); GEMMs through
 `torch._scaled_mm` on CUDA (dims multiples of 16) else the dequantize+matmul reference.
 
@@ -62,10 +67,14 @@ def _record_health(module: Any, stats: dict[str, float]) -> None:
 # ----------------------------------------------------------------------------------------------------------
 class _BlockwiseFP8Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any):  # x [M, K], weight [N, K]
-        x_q, x_s = quantize_1x128(x, pow2)
+    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any, need_wgrad: bool):  # x [M, K], W [N, K]
+        if need_wgrad:  # one read of x: 1x128 along K for this GEMM, along tokens (transposed) for wgrad
+            x_q, x_s, xt_q, xt_s = quantize_1x128_dual(x, pow2)
+        else:
+            x_q, x_s = quantize_1x128(x, pow2)
+            xt_q = xt_s = None
         y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
-        ctx.save_for_backward(x_q, x_s, w_q, w_s)
+        ctx.save_for_backward(xt_q, xt_s, w_q, w_s)
         ctx.pow2, ctx.x_dtype, ctx.w_dtype = pow2, x.dtype, weight.dtype
         ctx.module = module  # set only while health is being collected
         if module is not None:
@@ -74,8 +83,10 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_q, x_s, w_q, w_s = ctx.saved_tensors
+        xt_q, xt_s, w_q, w_s = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_dw and xt_q is None:
+            raise RuntimeError("FP8Linear: weight gradient requested but the forward ran without it in mind")
         dy = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
         if need_dx and need_dw:
@@ -88,15 +99,14 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
             wt_q, wt_s = fp8_transpose_128x128(w_q, w_s)  # on demand, freed after this GEMM
             dx = fp8_gemm(dy_q, dy_s, wt_q, wt_s, out_dtype=ctx.x_dtype)
             del wt_q, wt_s
-        if need_dw:
-            xt_q, xt_s = quantize_1x128_transposed(x_q, x_s, ctx.pow2)
-            dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=torch.float32).to(ctx.w_dtype)
+        if need_dw:  # fp32 accumulation, rounded once to the weight's dtype in the GEMM's epilogue
+            dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=ctx.w_dtype)
         if ctx.module is not None:
             if need_dx:
                 _record_health(ctx.module, health_stats("grad", dy, dy_q))
             if need_dw:
                 _record_health(ctx.module, health_stats("gradT", dy.t(), dyt_q))
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,7 +123,7 @@ def _tensorwise_mm(a_q, a_s, b_q, b_s, out_dtype: torch.dtype) -> torch.Tensor:
 
 class _TensorwiseFP8Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any):
+    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any, need_wgrad: bool):
         x_q, x_s = quantize_tensorwise(x)
         y = _tensorwise_mm(x_q, x_s, w_q, w_s, x.dtype)
         ctx.save_for_backward(x_q, x_s, w_q, w_s)
@@ -137,7 +147,7 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
                 _record_health(ctx.module, health_stats("gradT", dy.t(), dyt))
         if ctx.module is not None:
             _record_health(ctx.module, health_stats("grad", dy, dy_q))
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -204,7 +214,8 @@ class FP8Linear(nn.Linear):
             self.health = health_stats("weight", self.weight.detach(), w_q)
             module = self
         fn = _BlockwiseFP8Fn if self.recipe == "blockwise" else _TensorwiseFP8Fn
-        y = fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, module)
+        need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
+        y = fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, module, need_wgrad)
         y = y.reshape(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

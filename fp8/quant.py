@@ -150,49 +150,55 @@ if HAS_TRITON:
         return scale
 
     @triton.jit
-    def _quant_1x128_kernel(
-        x_ptr, xs_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
-        M, K,
-        stride_xm, stride_xk, stride_xsm, stride_xsk,
-        stride_qm, stride_qk, stride_sm, stride_sk,
-        stride_qtk, stride_qtm, stride_stk, stride_stm,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HAS_IN_SCALE: tl.constexpr, DO_ROW: tl.constexpr,
-        DO_COL: tl.constexpr, POW2: tl.constexpr, TRANS32: tl.constexpr,
+    def _quant_rows_kernel(
+        x_ptr, q_ptr, s_ptr, M, K,
+        stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
+        BLOCK_M: tl.constexpr, POW2: tl.constexpr,
     ):  # fmt: skip
-        """One [BLOCK_M, BLOCK_K] tile of x [M, K]: row-wise (1x128 along K; needs BLOCK_K == 128) and/or
-        column-wise (1x128 along M, needs BLOCK_M == 128; written transposed into [K, M]) quantization;
-        optional dequantization of an FP8 input (1x128 scales along K) first."""
+        """1x128 quantization along K of one [BLOCK_M, 128] tile of x [M, K] (one K block of BLOCK_M rows)."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_k = pid_k * 128 + tl.arange(0, 128)
+        m_ok = offs_m < M
+        mask = m_ok[:, None] & (offs_k < K)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        scale = _scale_from_amax(tl.max(tl.abs(x), axis=1), tl.sum((x != x).to(tl.int32), axis=1), POW2)
+        q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
+        tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sk, scale, mask=m_ok)
+
+    @triton.jit
+    def _quant_tokens_kernel(
+        x_ptr, xs_ptr, qt_ptr, st_ptr, M, K,
+        stride_xm, stride_xk, stride_xsm, stride_xsk, stride_qtk, stride_qtm, stride_stk, stride_stm,
+        BLOCK_F: tl.constexpr, HAS_IN_SCALE: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        """1x128 quantization along the token dim M of one [128, BLOCK_F] chunk of x [M, K] (a whole 128-token
+        block of BLOCK_F features), written transposed into [K, M]; optionally x is E4M3 with 1x128 scales
+        along K and is dequantized in registers first.
+
+        Narrow chunks keep few registers live (BLOCK_F=32 with 4 warps: 70 registers, against 204 for a
+        [128, 128] tile), so many programs per SM hide the memory latency: 2.2 TB/s on the H200 against
+        0.95 TB/s for the [128, 128]-tile kernel this replaced."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = pid_m * 128 + tl.arange(0, 128)
+        offs_k = pid_k * BLOCK_F + tl.arange(0, BLOCK_F)
         m_ok = offs_m < M
         k_ok = offs_k < K
         mask = m_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
         x = x.to(tl.float32)
-        if HAS_IN_SCALE:  # x is E4M3 quantized 1x128 along K: this tile is exactly one of its K blocks
-            xs = tl.load(xs_ptr + offs_m * stride_xsm + (pid_k * BLOCK_K // 128) * stride_xsk, mask=m_ok, other=0.0)
+        if HAS_IN_SCALE:  # a chunk lies inside one 128-wide K block of the input scales
+            xs = tl.load(xs_ptr + offs_m * stride_xsm + (pid_k * BLOCK_F // 128) * stride_xsk, mask=m_ok, other=0.0)
             x = x * xs[:, None]
-        isnan = (x != x).to(tl.int32)
-        ax = tl.abs(x)
-        if DO_ROW:
-            scale = _scale_from_amax(tl.max(ax, axis=1), tl.sum(isnan, axis=1), POW2)
-            q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
-            tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
-            tl.store(s_ptr + offs_m * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, scale, mask=m_ok)
-        if DO_COL:  # BLOCK_M == 128: the tile holds one whole 128-token block of every column
-            scale_c = _scale_from_amax(tl.max(ax, axis=0), tl.sum(isnan, axis=0), POW2)
-            if TRANS32:  # transpose 32-bit values (fast shared-memory path), then cast to E4M3
-                qc = tl.math.div_rn(tl.trans(x), scale_c[:, None]).to(tl.float8e4nv)  # [128 (K), BLOCK_M]
-            else:
-                qc = tl.trans(tl.math.div_rn(x, scale_c[None, :]).to(tl.float8e4nv))
-            tl.store(
-                qt_ptr + offs_k[:, None] * stride_qtk + offs_m[None, :] * stride_qtm,
-                qc,
-                mask=k_ok[:, None] & m_ok[None, :],
-            )
-            tl.store(st_ptr + offs_k * stride_stk + pid_m * stride_stm, scale_c, mask=k_ok)
+        scale = _scale_from_amax(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), POW2)
+        q = tl.math.div_rn(x, scale[None, :]).to(tl.float8e4nv)
+        # transposed store by address arithmetic (the compiler moves the bytes through shared memory)
+        tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_m[:, None] * stride_qtm, q, mask=mask)
+        tl.store(st_ptr + offs_k * stride_stk + pid_m * stride_stm, scale, mask=k_ok)
 
     @triton.jit
     def _quant_128x128_kernel(
@@ -237,50 +243,44 @@ if HAS_TRITON:
         )
 
 
-# Launch options of the quantize kernels (the benchmark sweeps them; defaults from the H200 runs).
-# col_block_k: features per program of the column-only (transposed) quantizer; dual_fused: whether
-# quantize_1x128_dual is one fused launch (one read of x) or a row launch plus a column launch.
-# Defaults = the configuration behind the measured FP8Linear layer table (H200 run 2); the benchmark's
-# --sweep times the alternatives (all bit-identical, see tests/test_fp8_quant.py).
-QUANT_OPTIONS: dict = {"trans32": True, "col_warps": 4, "transpose_block": 64, "col_block_k": 128, "dual_fused": True}
+# Launch options of the quantize kernels (every choice is bit-identical, see tests/test_fp8_quant.py).
+# H200 sweep (bench/bench_fp8_linear.py --sweep, x [16384, 5120] bf16): token-dim chunks of 32 features with 4
+# warps quantize at 2.2 TB/s; a fused one-read dual kernel (both layouts from one [128, 128] tile) was slower
+# (980 GB/s with 4 warps, 790 with 8; a two-pass variant 870-1140 GB/s) than the row and token-dim kernels run
+# one after the other (2.5 TB/s counting both reads of x).
+QUANT_OPTIONS: dict = {"trans32": True, "transpose_block": 64, "col_block_f": 32, "col_warps": 4, "row_block_m": 64}
 
 
-def _launch_1x128(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    do_row: bool,
-    do_col: bool,
-    pow2_scales: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def _launch_rows(x: torch.Tensor, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], fp32 scale [M, KB] with the row index fastest)."""
     m, k = x.shape
-    kb, mb = cdiv(k, BLOCK), cdiv(m, BLOCK)
-    dev = x.device
-    q = s = qt = st = None
-    dummy = torch.empty(1, 1, device=dev, dtype=torch.float32)  # stands in for unused operands
-    if do_row:
-        q = torch.empty(m, k, device=dev, dtype=E4M3)
-        s = torch.empty(kb, m, device=dev, dtype=torch.float32).t()  # [M, KB], row index fastest
-    if do_col:
-        qt = torch.empty(k, m, device=dev, dtype=E4M3)
-        st = torch.empty(mb, k, device=dev, dtype=torch.float32).t()  # [K, MB], row index fastest
-    if m == 0 or k == 0:
-        return q, s, qt, st
-    block_m = 128 if do_col else 64
-    block_k = 128 if do_row else QUANT_OPTIONS["col_block_k"]
-    xs2 = x_scale if x_scale is not None else dummy
-    qq2, ss = (q, s) if do_row else (dummy, dummy)
-    qqt2, sst = (qt, st) if do_col else (dummy, dummy)
-    grid = (cdiv(m, block_m), cdiv(k, block_k))
-    _quant_1x128_kernel[grid](
-        x, xs2, qq2, ss, qqt2, sst, m, k,
-        x.stride(0), x.stride(1), xs2.stride(0), xs2.stride(1),
-        qq2.stride(0), qq2.stride(1), ss.stride(0), ss.stride(1),
-        qqt2.stride(0), qqt2.stride(1), sst.stride(0), sst.stride(1),
-        BLOCK_M=block_m, BLOCK_K=block_k, HAS_IN_SCALE=x_scale is not None, DO_ROW=do_row, DO_COL=do_col,
-        POW2=pow2_scales,
-        TRANS32=QUANT_OPTIONS["trans32"], num_warps=QUANT_OPTIONS["col_warps"] if do_col else 4,
-    )  # fmt: skip
-    return q, s, qt, st
+    q = torch.empty(m, k, device=x.device, dtype=E4M3)
+    s = torch.empty(cdiv(k, BLOCK), m, device=x.device, dtype=torch.float32).t()
+    if m and k:
+        bm = QUANT_OPTIONS["row_block_m"]
+        _quant_rows_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
+            x, q, s, m, k, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+            BLOCK_M=bm, POW2=pow2_scales, num_warps=4,
+        )  # fmt: skip
+    return q, s
+
+
+def _launch_tokens(
+    x: torch.Tensor, x_scale: torch.Tensor | None, pow2_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [K, M], fp32 scale [K, MB] with the row index fastest), 1x128 along M."""
+    m, k = x.shape
+    qt = torch.empty(k, m, device=x.device, dtype=E4M3)
+    st = torch.empty(cdiv(m, BLOCK), k, device=x.device, dtype=torch.float32).t()
+    if m and k:
+        xs = x_scale if x_scale is not None else st  # placeholder, never read without HAS_IN_SCALE
+        bf = QUANT_OPTIONS["col_block_f"]
+        _quant_tokens_kernel[(cdiv(m, BLOCK), cdiv(k, bf))](
+            x, xs, qt, st, m, k, x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
+            qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
+            BLOCK_F=bf, HAS_IN_SCALE=x_scale is not None, POW2=pow2_scales, num_warps=QUANT_OPTIONS["col_warps"],
+        )  # fmt: skip
+    return qt, st
 
 
 def _check_in_scale(x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
@@ -303,8 +303,7 @@ def quantize_1x128(
     _check_2d(x, "x")
     if not use_triton(x, backend):
         return quantize_1x128_ref(x, pow2_scales)
-    q, s, _, _ = _launch_1x128(x, None, True, False, pow2_scales)
-    return q, s
+    return _launch_rows(x, pow2_scales)
 
 
 def quantize_1x128_transposed(
@@ -323,24 +322,22 @@ def quantize_1x128_transposed(
     _check_in_scale(x, x_scale)
     if not use_triton(x, backend):
         return quantize_1x128_transposed_ref(x, x_scale, pow2_scales)
-    _, _, qt, st = _launch_1x128(x, x_scale, False, True, pow2_scales)
-    return qt, st
+    return _launch_tokens(x, x_scale, pow2_scales)
 
 
 def quantize_1x128_dual(
     x: torch.Tensor, pow2_scales: bool = False, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One read of x [M, K] gives both quantizations the backward pass needs for dy:
-    (E4M3 [M, K], scale [M, KB]) along K for dgrad and (E4M3 [K, M], scale [K, MB]) along M for wgrad."""
+    """Both quantizations of x [M, K] that a linear needs for its next GEMMs: (E4M3 [M, K], scale [M, KB])
+    along K and (E4M3 [K, M], scale [K, MB]) along the token dim M. On CUDA: the row kernel, then the
+    token-dim kernel (faster on the H200 than every fused one-read kernel we tried, see QUANT_OPTIONS)."""
     _check_2d(x, "x")
     if not use_triton(x, backend):
         q, s = quantize_1x128_ref(x, pow2_scales)
         qt, st = quantize_1x128_ref(x.t(), pow2_scales)
         return q, s, qt, st
-    if QUANT_OPTIONS["dual_fused"]:
-        return _launch_1x128(x, None, True, True, pow2_scales)  # type: ignore[return-value]
-    q, s, _, _ = _launch_1x128(x, None, True, False, pow2_scales)
-    _, _, qt, st = _launch_1x128(x, None, False, True, pow2_scales)
+    q, s = _launch_rows(x, pow2_scales)
+    qt, st = _launch_tokens(x, None, pow2_scales)
     return q, s, qt, st
 
 

@@ -2,6 +2,7 @@
 # One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels
 # (fill .whl first with `bash ../shared/tools/gpu_wheels.sh torchao==0.17.0`), run every `gpu` test, then
 # the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam]
+# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM time limits, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, WITH_PEERS=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ for s in $steps; do
     tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -n "${XDIST:-4}" -p no:cacheprovider tests/ 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -25 ;;
     train) timeout "${T_TRAIN:-300}" python3 bench/bench_train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/bench_train.log" | tail -30 ;;
-    linear) timeout "${T_LINEAR:-200}" python3 bench/bench_fp8_linear.py --out "$OUT" 2>&1 \
+    linear) timeout "${T_LINEAR:-200}" python3 bench/bench_fp8_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
              | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
     adam) timeout "${T_ADAM:-150}" python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
   esac

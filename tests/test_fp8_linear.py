@@ -9,7 +9,7 @@ from torch import nn
 
 from fp8.gemm import fp8_gemm_ref, fp8_gemm_wgrad_ref
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
-from fp8.quant import quantize_1x128_ref, quantize_1x128_transposed_ref, quantize_128x128_ref
+from fp8.quant import quantize_1x128_ref, quantize_128x128_ref
 from tests.test_fp8_quant import DEVICES, setup_device
 
 HEALTH_KEYS = {"act_underflow", "act_distortion", "grad_underflow", "grad_distortion", "gradT_underflow",
@@ -37,7 +37,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
     dq, ds = quantize_1x128_ref(dy)
     dx = fp8_gemm_ref(dq, ds, wq.t().contiguous(), ws.t().contiguous(), torch.float32)
     dtq, dts = quantize_1x128_ref(dy.t())
-    xtq, xts = quantize_1x128_transposed_ref(xq, xs)
+    xtq, xts = quantize_1x128_ref(x.t())  # xᵀ quantized along tokens straight from x (one rounding)
     dw = fp8_gemm_wgrad_ref(dtq, dts, xtq, xts)
     return y, dx, dw
 
@@ -163,4 +163,9 @@ def test_saves_fp8_activation_not_bf16():
     acts = [t for t in saved if t.data_ptr() not in (wq.data_ptr(), ws.data_ptr(), layer.weight.data_ptr())]
     assert all(t.dtype in (torch.float8_e4m3fn, torch.float32) for t in acts)
     nbytes = sum(t.numel() * t.element_size() for t in acts)
-    assert nbytes == 128 * 512 + 128 * 4 * 4  # FP8 x + fp32 scales: ~half of the bf16 x (131072 bytes)
+    # FP8 xᵀ [512, 128] + fp32 scales [512, 1]: ~half of the bf16 x (131072 bytes)
+    assert nbytes == 128 * 512 + 512 * 1 * 4
+    saved.clear()
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x)
+    assert saved == []  # no backward coming: nothing quantized for wgrad, nothing saved

@@ -83,8 +83,12 @@ def test_quantize_128x128_bit_exact(device, shape, pow2, request):
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"col_block_k": 128, "dual_fused": True, "trans32": False}, {"col_block_k": 32}],
-    ids=["default", "fused-128", "bk32"],
+    [
+        {},
+        {"col_block_f": 64, "col_warps": 8, "row_block_m": 32},
+        {"col_block_f": 128, "trans32": False},
+    ],
+    ids=["default", "f64-w8", "f128"],
 )
 def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request, monkeypatch):
     setup_device(device, request)
