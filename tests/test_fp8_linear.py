@@ -169,3 +169,22 @@ def test_saves_fp8_activation_not_bf16():
     with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x)
     assert saved == []  # no backward coming: nothing quantized for wgrad, nothing saved
+
+
+def test_frozen_weight_saves_nothing_for_wgrad():
+    """With a frozen weight only dx is computed: the forward quantizes x along K only, saves no xᵀ, and dx
+    equals the trainable layer's dx bit for bit."""
+    torch.manual_seed(3)
+    layer = FP8Linear(256, 128)
+    x, dy = torch.randn(64, 256), torch.randn(64, 128)
+    _, dx_ref, _ = run(layer, x, dy)
+    layer.weight.requires_grad_(False)
+    layer.weight.grad = None
+    xg = x.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(xg)
+    y.backward(dy)
+    wq, ws = layer.quantized_weight()
+    assert [t for t in saved if t.data_ptr() not in (wq.data_ptr(), ws.data_ptr())] == []
+    assert layer.weight.grad is None and torch.equal(xg.grad, dx_ref)
