@@ -1,11 +1,14 @@
 """Blockwise FP8 GEMM / FP8Linear benchmark on one H200 (Ling-mini-2.0 shapes at 16384 tokens).
 
     PYTHONUNBUFFERED=1 python3 bench/bench_fp8_linear.py [--tokens 16384] [--sweep] [--out DIR]
+        [--layers-only] [--host] [--skip-layers]
 
 Prints (last) a GEMM table: ours vs cuBLAS blockwise `scaled_mm` vs bf16 matmul, TFLOPS (medians, same run),
 for fprop / dgrad / wgrad of each shape; a layer table: forward+backward of our FP8Linear, bf16 nn.Linear
 and torchao's Float8BlockwiseLinear (use_triton False/True) with saved-activation bytes; and quantizer
 bandwidths. Every timed product is first checked against a float64 product of the dequantized operands.
+The layer table also reports the rate over summed CUDA kernel time ("GPU busy") and of the step replayed as
+a CUDA graph, which separate host overhead from GPU work; `--host` profiles that host overhead (cProfile).
 Not imported by the library.
 """
 
