@@ -275,6 +275,8 @@ def _launch_tokens(
     if m and k:
         xs = x_scale if x_scale is not None else st  # placeholder, never read without HAS_IN_SCALE
         bf = QUANT_OPTIONS["col_block_f"]
+        if BLOCK % bf:  # a chunk must lie inside one 128-wide K block (input scales, tails)
+            raise ValueError(f"QUANT_OPTIONS['col_block_f'] must divide {BLOCK}, got {bf}")
         _quant_tokens_kernel[(cdiv(m, BLOCK), cdiv(k, bf))](
             x, xs, qt, st, m, k, x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
             qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
