@@ -318,7 +318,8 @@ def quantize_1x128_transposed(
     """Fused quantize-with-transpose: x [M, K] -> (E4M3 [K, M], fp32 scale [K, ceil(M/128)], stride (1, K)).
 
     1x128 tiles along the token dim M; no bf16 transpose is ever materialised. With `x_scale`, x is an
-    E4M3 tensor with 1x128 scales along K, dequantized in registers first (wgrad from the saved FP8 x).
+    E4M3 tensor with 1x128 scales along K, dequantized in registers first (for a tensor kept only in FP8;
+    FP8Linear itself quantizes xᵀ straight from the high-precision x in its forward).
     """
     _check_2d(x, "x")
     _check_in_scale(x, x_scale)
