@@ -39,7 +39,6 @@ class GemmConfig:
     num_stages: int = 4
     tma: bool = False  # operands through TMA tensor descriptors (needs 16-byte aligned rows)
     persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
-    pipe: bool = False  # software-pipeline the scale promotion: block k's FMA overlaps block k+1's MMA
     warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
 
 
@@ -93,26 +92,51 @@ def fp8_gemm_wgrad_ref(
 if HAS_TRITON:
 
     @triton.jit
+    def _tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Grouped ordering of output tiles: GROUP_M row-tiles share each B column-tile while it is hot in L2."""
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        first_pid_m = (tile // num_pid_in_group) * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
+        pid_n = (tile % num_pid_in_group) // group_size_m
+        return pid_m, pid_n
+
+    @triton.jit
+    def _b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pointers to B's scales of K block 0: one scalar per tile (128x128 blocks, BLOCK_N == 128), one per
+        128 columns (128x128 blocks, wider tiles) or one per column (1x128 rows)."""
+        if B_BLOCKWISE and BLOCK_N == 128:
+            return bs_ptr + pid_n * stride_bsn
+        elif B_BLOCKWISE:
+            return bs_ptr + (offs_bn // 128) * stride_bsn
+        else:
+            return bs_ptr + offs_bn * stride_bsn
+
+    @triton.jit
+    def _promote(acc, part, sa, sb, SB_SCALAR: tl.constexpr):
+        """acc += part · sa · sb in fp32: the product of one 128-wide K block, computed into a fresh accumulator
+        on the tensor cores, scaled by its row scales sa [BLOCK_M] and B scales sb (scalar or [BLOCK_N]).
+        With a scalar sb, sa·sb is folded first (one FMA per element); otherwise two multiplies per element
+        but no [BLOCK_M, BLOCK_N] outer product of the scales held in registers."""
+        if SB_SCALAR:
+            return acc + part * (sa * sb)[:, None]
+        else:
+            return acc + (part * sa[:, None]) * sb[None, :]
+
+    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
         M, N, K,
         stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PIPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
+        """One output tile per program; operands through pointer loads (any strides, K tails masked)."""
         BLOCK_K: tl.constexpr = 128
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # grouped ordering: GROUP_M row-tiles share each B column-tile while it is hot in L2
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
-
+        pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # wrap out-of-range rows onto valid ones so the main loop needs no M/N masks (their results are
@@ -123,25 +147,9 @@ if HAS_TRITON:
         a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
         as_ptrs = as_ptr + offs_am * stride_asm
-        # with 128x128 weight blocks and BLOCK_N == 128 the B scale is one scalar per K block, folded into
-        # the row scales first: the promotion is then one FMA per accumulator element
-        SB_SCALAR: tl.constexpr = B_BLOCKWISE and BLOCK_N == 128
-        if SB_SCALAR:
-            bs_ptrs = bs_ptr + pid_n * stride_bsn
-        elif B_BLOCKWISE:
-            bs_ptrs = bs_ptr + (offs_bn // 128) * stride_bsn
-        else:
-            bs_ptrs = bs_ptr + offs_bn * stride_bsn
-
+        bs_ptrs = _b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        num_kb = tl.cdiv(K, BLOCK_K)
-        if PIPE:
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if SB_SCALAR:
-                s_prev = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
-            else:
-                s_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, num_kb):
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
@@ -151,25 +159,9 @@ if HAS_TRITON:
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
             sa = tl.load(as_ptrs + kb * stride_ask)
             sb = tl.load(bs_ptrs + kb * stride_bsk)
-            if PIPE:  # issue this block's MMA, then promote the previous block while it runs
-                if SB_SCALAR:
-                    sab = (sa * sb)[:, None]
-                else:
-                    sab = sa[:, None] * sb[None, :]
-                nxt = tl.dot(a, tl.trans(b))
-                acc += part * s_prev
-                part = nxt
-                s_prev = sab
-            else:
-                part = tl.dot(a, tl.trans(b))  # fresh fp32 accumulator for this 128-wide K block
-                if SB_SCALAR:
-                    acc += part * (sa * sb)[:, None]
-                else:  # two per-element multiplies, but no [BLOCK_M, BLOCK_N] outer product of the scales live
-                    acc += (part * sa[:, None]) * sb[None, :]
+            acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        if PIPE:
-            acc += part * s_prev
 
         c = acc.to(c_ptr.dtype.element_ty)
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -186,39 +178,23 @@ if HAS_TRITON:
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
         masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid)."""
         BLOCK_K: tl.constexpr = 128
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_tiles = num_pid_m * num_pid_n
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         num_kb = tl.cdiv(K, BLOCK_K)
-        num_pid_in_group = GROUP_M * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
-            group_id = tile // num_pid_in_group
-            first_pid_m = group_id * GROUP_M
-            group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-            pid_m = first_pid_m + ((tile % num_pid_in_group) % group_size_m)
-            pid_n = (tile % num_pid_in_group) // group_size_m
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             offs_am = (off_m + tl.arange(0, BLOCK_M)) % M
             offs_bn = (off_n + tl.arange(0, BLOCK_N)) % N
             as_ptrs = as_ptr + offs_am * stride_asm
-            SB_SCALAR: tl.constexpr = B_BLOCKWISE and BLOCK_N == 128
-            if SB_SCALAR:
-                bs_ptrs = bs_ptr + pid_n * stride_bsn
-            elif B_BLOCKWISE:
-                bs_ptrs = bs_ptr + (offs_bn // 128) * stride_bsn
-            else:
-                bs_ptrs = bs_ptr + offs_bn * stride_bsn
+            bs_ptrs = _b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in tl.range(0, num_kb, warp_specialize=WS):
                 a = a_desc.load([off_m, kb * BLOCK_K])
                 b = b_desc.load([off_n, kb * BLOCK_K])
                 sa = tl.load(as_ptrs + kb * stride_ask)
                 sb = tl.load(bs_ptrs + kb * stride_bsk)
-                if SB_SCALAR:
-                    acc += tl.dot(a, tl.trans(b)) * (sa * sb)[:, None]
-                else:
-                    acc += (tl.dot(a, tl.trans(b)) * sa[:, None]) * sb[None, :]
+                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -293,7 +269,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> 
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         B_BLOCKWISE=b_blockwise, EVEN_K=(k % BLOCK == 0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, PIPE=cfg.pipe,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c

@@ -44,10 +44,10 @@ def operands(m, n, k, device, b_blockwise=True):
         None,
         GemmConfig(64, 64, 4, tma=True),
         GemmConfig(64, 64, 4, tma=True, persistent=True, warp_specialize=True),
-        GemmConfig(64, 128, 4, pipe=True),
-        GemmConfig(64, 64, 4, pipe=True),
+        GemmConfig(64, 128, 4),
+        GemmConfig(64, 64, 4),
     ],
-    ids=["default", "tma", "tma-persistent", "pipe-scalar-sb", "pipe"],
+    ids=["default", "tma", "tma-persistent", "pointer-scalar-sb", "pointer-sb-per-128-cols"],
 )
 def test_fp8_gemm_matches_float64(device, shape, out_dtype, cfg, request):
     setup_device(device, request)
