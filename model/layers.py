@@ -72,6 +72,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([xr.to(x.dtype), x_pass], dim=-1)
 
 
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids int [B, T] → bool [B, 1, T, T]: position t attends to s ≤ t of the same document. Built once
+    per forward and shared by every attention layer."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (causal & same_doc)[:, None]
+
+
 class Attention(nn.Module):
     """GQA self-attention: fused QKV (rows Q | K | V, head-major), QK-norm, half RoPE, causal SDPA."""
 
@@ -87,8 +96,9 @@ class Attention(nn.Module):
         self.key_layernorm = RMSNorm(config.head_dim, config.rms_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, hidden] → [B, T, hidden]; doc_ids int [B, T] restricts attention to one document."""
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden] → [B, T, hidden]; attn_mask bool [B, 1, T, T] (`document_causal_mask`) or None for
+        plain causal attention."""
         B, T, _ = x.shape
         qkv = self.query_key_value(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -102,12 +112,10 @@ class Attention(nn.Module):
         if groups > 1:  # query head h reads KV head h // groups
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        if doc_ids is None:
+        if attn_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(causal & same_doc)[:, None])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
         return self.dense(out)
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
-from model.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, document_causal_mask
 from model.moe import MoE, Router, RouterOutput
 
 IGNORE_INDEX = -100
@@ -27,9 +27,9 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = MoE(config) if moe else MLP(config.hidden_size, config.dense_intermediate_size, config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] → (x [B, T, H], router losses fp32 [2] = (z_loss, aux_loss), zeros for dense)."""
-        x = x + self.attention(self.input_layernorm(x), cos, sin, doc_ids)
+        x = x + self.attention(self.input_layernorm(x), cos, sin, attn_mask)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
             out, routing = self.mlp(h)
@@ -50,9 +50,9 @@ class MTPLayer(nn.Module):
         self.transformer_layer = DecoderLayer(config, moe=True)
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
 
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        x, losses = self.transformer_layer(x, cos, sin, doc_ids)
+        x, losses = self.transformer_layer(x, cos, sin, attn_mask)
         return self.final_layernorm(x), losses
 
 
@@ -78,12 +78,14 @@ def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over labels != -100, computed in fp32; 0 (with grad) when every label is ignored."""
+    """Mean CE over labels != -100, computed in fp32; 0 (with grad) when every label is ignored.
+
+    Summed, then divided by the clamped count (the same value as F.cross_entropy's mean, bit for bit): no
+    data-dependent branch, so no host sync in the middle of the forward."""
     logits = logits.float().view(-1, logits.shape[-1])
     labels = labels.reshape(-1)
-    if not (labels != IGNORE_INDEX).any():
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 class LingForCausalLM(nn.Module):
@@ -136,10 +138,11 @@ class LingForCausalLM(nn.Module):
         cfg = self.config
         B, T = input_ids.shape
         cos, sin = self.rotary.cos_sin(torch.arange(T, device=input_ids.device))
+        attn_mask = document_causal_mask(doc_ids) if doc_ids is not None else None
         x = self.word_embeddings(input_ids)
         router_losses = torch.zeros(2, device=x.device)
         for layer in self.layers:
-            x, losses = self._run_layer(layer, x, cos, sin, doc_ids)
+            x, losses = self._run_layer(layer, x, cos, sin, attn_mask)
             router_losses = router_losses + losses
         h = self.norm(x)
         logits = self.lm_head(h)
@@ -149,7 +152,7 @@ class LingForCausalLM(nn.Module):
         for depth, mtp in enumerate(self.mtp_layers, start=1):
             emb = self.word_embeddings(shift_left(input_ids, depth, 0))
             # depth d keeps position t's document mask: its input at t is token t+d, its target token t+d+1
-            h, losses = self._run_layer(mtp, emb, h, cos, sin, doc_ids)
+            h, losses = self._run_layer(mtp, emb, h, cos, sin, attn_mask)
             router_losses = router_losses + losses
             mtp_logits.append(self.lm_head(h))
             if labels is not None:
