@@ -279,13 +279,7 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
         res = {}
         for lname, layer in layers.items():
 
-            def step(layer=layer, x=x, g=g):
-                x.grad = None
-                layer.weight.grad = None
-                if isinstance(layer, FP8Linear):
-                    invalidate_fp8_weight_caches()  # count the weight quantization in every step
-                layer(x).backward(g)
-
+            step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
             try:
                 y = layer(x)
                 err = rel(y, ref_y)
@@ -369,19 +363,33 @@ def run_quant(m: int, log: dict, sweep: bool) -> list[list[str]]:
     return rows
 
 
-def profile_layer(m: int, n: int, k: int, out_dir: str) -> str:
-    """Per-kernel CUDA time of one FP8Linear forward+backward (weight quantization included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    layer = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+def layer_step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor):
+    """One forward+backward of `layer` on x (requires grad) with output gradient g; FP8 layers re-quantize
+    their weight every step (as after each optimizer step in training)."""
 
     def step():
         x.grad = None
         layer.weight.grad = None
-        invalidate_fp8_weight_caches()
+        if isinstance(layer, FP8Linear):
+            invalidate_fp8_weight_caches()
         layer(x).backward(g)
+
+    return step
+
+
+def fp8_layer_step(m: int, n: int, k: int):
+    """`layer_step` of a fresh bf16 FP8Linear [n, k] on random x [m, k]."""
+    layer = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return layer_step(layer, x, g)
+
+
+def profile_layer(m: int, n: int, k: int, out_dir: str) -> str:
+    """Per-kernel CUDA time of one FP8Linear forward+backward (weight quantization included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = fp8_layer_step(m, n, k)
 
     for _ in range(5):
         step()
@@ -404,15 +412,7 @@ def host_profile(m: int, n: int, k: int, out_dir: str) -> str:
     import pstats
     import time
 
-    layer = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        x.grad = None
-        layer.weight.grad = None
-        invalidate_fp8_weight_caches()
-        layer(x).backward(g)
+    step = fp8_layer_step(m, n, k)
 
     for _ in range(10):
         step()

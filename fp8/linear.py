@@ -57,11 +57,6 @@ def invalidate_fp8_weight_caches() -> None:
     _GENERATION[0] += 1
 
 
-def _record_health(module: Any, stats: dict[str, float]) -> None:
-    if module is not None:
-        module.health.update(stats)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # blockwise recipe
 # ----------------------------------------------------------------------------------------------------------
@@ -78,7 +73,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
         ctx.pow2, ctx.x_dtype, ctx.w_dtype = pow2, x.dtype, weight.dtype
         ctx.module = module  # set only while health is being collected
         if module is not None:
-            _record_health(module, health_stats("act", x, x_q))
+            module.health.update(health_stats("act", x, x_q))
         return y
 
     @staticmethod
@@ -103,9 +98,9 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
             dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=ctx.w_dtype)
         if ctx.module is not None:
             if need_dx:
-                _record_health(ctx.module, health_stats("grad", dy, dy_q))
+                ctx.module.health.update(health_stats("grad", dy, dy_q))
             if need_dw:
-                _record_health(ctx.module, health_stats("gradT", dy.t(), dyt_q))
+                ctx.module.health.update(health_stats("gradT", dy.t(), dyt_q))
         return dx, dw, None, None, None, None, None
 
 
@@ -129,7 +124,7 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
         ctx.save_for_backward(x_q, x_s, w_q, w_s)
         ctx.x_dtype, ctx.w_dtype, ctx.module = x.dtype, weight.dtype, module
         if module is not None:
-            _record_health(module, health_stats("act", x, x_q))
+            module.health.update(health_stats("act", x, x_q))
         return y
 
     @staticmethod
@@ -144,9 +139,9 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
             dyt = dy_q.t().contiguous()
             dw = _tensorwise_mm(dyt, dy_s, x_q.t().contiguous(), x_s, torch.float32).to(ctx.w_dtype)
             if ctx.module is not None:
-                _record_health(ctx.module, health_stats("gradT", dy.t(), dyt))
+                ctx.module.health.update(health_stats("gradT", dy.t(), dyt))
         if ctx.module is not None:
-            _record_health(ctx.module, health_stats("grad", dy, dy_q))
+            ctx.module.health.update(health_stats("grad", dy, dy_q))
         return dx, dw, None, None, None, None, None
 
 
