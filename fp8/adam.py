@@ -562,10 +562,9 @@ class FP8AdamW(torch.optim.Optimizer):
         is_fp8 = cache["is_fp8"]
         fp8_grads = [g for g, f in zip(grads, is_fp8) if f]
         tensors = [(t[0], g, *t[1:]) for t, g in zip(cache["tuples"], fp8_grads)]
-        pkey = ("fast", id(group), cache["gdtype"])
-        self._plans[pkey] = fp8_adamw_update_triton(
-            tensors, s, bs, self.kernel, plan=self._plans.get(pkey), trust_static=True
-        )
+        # the plan lives in the cache, so it is dropped with it whenever the set of tensors changes
+        # (`trust_static` skips re-checking the param/state pointers that the cache key has just checked)
+        cache["plan"] = fp8_adamw_update_triton(tensors, s, bs, self.kernel, plan=cache["plan"], trust_static=True)
         if cache["small"]:
             small_grads = [g for g, f in zip(grads, is_fp8) if not f]
             self._step_fp32_moments(group, [(p, g, st) for (p, st), g in zip(cache["small"], small_grads)])
@@ -608,6 +607,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 for p, _, st in fp8
             ],
             "small": [(p, small_states[id(p)]) for p in ps if id(p) in small_states],
+            "plan": None,  # LaunchPlan of these exact tuples, built at the first fast step
         }
 
     def _slow_step(self, group: dict[str, Any]) -> None:

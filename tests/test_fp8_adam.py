@@ -110,6 +110,33 @@ def test_second_moment_underflow():
 # ---------------------------------------------------------------------------------------------------
 
 
+
+def step_both(pa, pb, oa, ob, steps: int, clear=()) -> None:
+    """`steps` optimizer steps of oa over pa and ob over pb with the same fresh random grads; the params in
+    `clear` get no grad (grad = None)."""
+    for p in clear:
+        p.grad = None
+    for _ in range(steps):
+        for x, y in zip(pa, pb):
+            g = torch.randn_like(x)
+            x.grad, y.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+
+
+def count_calls(obj, name: str) -> list[int]:
+    """Wrap obj.<name> to count its calls; returns a one-element list holding the count."""
+    count = [0]
+    fn = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        return fn(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+    return count
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "grad_dtype, cfg",
@@ -155,15 +182,30 @@ def test_optimizer_triton_matches_torch_backend(device, request):
     pb = [torch.nn.Parameter(b.clone()) for b in base]
     oa = FP8AdamW(pa, lr=1e-2, weight_decay=0.1, min_fp8_numel=100, backend="triton")
     ob = FP8AdamW(pb, lr=1e-2, weight_decay=0.1, min_fp8_numel=100, backend="torch")
-    for _ in range(3):
-        for x, y in zip(pa, pb):
-            g = torch.randn_like(x)
-            x.grad, y.grad = g.clone(), g.clone()
-        oa.step()
-        ob.step()
-    assert oa._fast  # steps 2 and 3 took the cached low-overhead path
+    slow_steps = count_calls(oa, "_slow_step")
+    step_both(pa, pb, oa, ob, 3)
+    assert slow_steps == [1]  # steps 2 and 3 took the cached low-overhead path
     for x, y in zip(pa, pb):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)  # reasons as in the kernel test
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_follows_a_changing_set_of_params(device, request):
+    """A param that stops receiving grads must leave the cached launch (its plan included): the Triton
+    path keeps matching the torch path, and the param without a grad does not move."""
+    setup_device(device, request)
+    torch.manual_seed(5)
+    base = [torch.randn(64, 96, device=device), torch.randn(4100, device=device)]
+    pa = [torch.nn.Parameter(b.clone()) for b in base]
+    pb = [torch.nn.Parameter(b.clone()) for b in base]
+    oa = FP8AdamW(pa, lr=1e-2, min_fp8_numel=100, backend="triton")
+    ob = FP8AdamW(pb, lr=1e-2, min_fp8_numel=100, backend="torch")
+    step_both(pa, pb, oa, ob, 2)
+    frozen = pa[1].detach().clone()
+    step_both(pa[:1], pb[:1], oa, ob, 2, clear=pa[1:] + pb[1:])
+    assert torch.equal(pa[1], frozen)
+    for x, y in zip(pa, pb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,12 +274,7 @@ def test_quadratic_100_steps_vs_torch_adamw():
 def test_small_tensors_keep_fp32_moments_exactly_like_torch():
     shapes = [(10, 10), (64,)]
     ours, ref, o, r = pair(shapes, 5, min_fp8_numel=4096)
-    for _ in range(5):
-        for a, b in zip(ours, ref):
-            g = torch.randn_like(a)
-            a.grad, b.grad = g.clone(), g.clone()
-        o.step()
-        r.step()
+    step_both(ours, ref, o, r, 5)
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)  # the same torch AdamW code runs on them
         assert o.state[a]["exp_avg"].dtype == torch.float32
