@@ -49,15 +49,12 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-try:  # Triton is optional on CPU-only installs; the torch reference path needs none of it.
+from fp8._triton_utils import E4M3_MAX, HAS_TRITON, cdiv
+
+if HAS_TRITON:  # Triton is optional on CPU-only installs; the torch reference path needs none of it.
     import triton
     import triton.language as tl
 
-    _HAS_TRITON = True
-except Exception:  # pragma: no cover - exercised only where triton is missing
-    _HAS_TRITON = False
-
-E4M3_MAX = 448.0
 E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive E4M3 value; floor for a non-zero sqrt(v)
 AMAX_FLOOR = 1e-30  # amax is clamped to this so that an all-zero block gets a finite, positive scale
 
@@ -115,7 +112,7 @@ class AdamScalars:
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """x [n] → [nb, block_size], zero-padded at the end (a copy when n % block_size != 0)."""
     n = x.numel()
-    nb = -(-n // block_size)
+    nb = cdiv(n, block_size)
     pad = nb * block_size - n
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
@@ -206,7 +203,7 @@ class KernelConfig:
     iters_per_program: int = 1
 
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _adam_chunk(
@@ -276,7 +273,7 @@ if _HAS_TRITON:
         pid = tl.program_id(0)
         t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
         c = tl.load(chunk_index_ptr + pid).to(tl.int64)
-        row = table_ptr + t * 8
+        row = table_ptr + t * 8  # TABLE_COLS (a plain global cannot be read inside a Triton kernel)
         p_off = tl.load(row + 0)
         m_off = tl.load(row + 1)
         ms_off = tl.load(row + 2)
@@ -355,10 +352,10 @@ def build_launch_plan(tensors: Sequence[tuple[torch.Tensor, ...]], block_size: i
     for tup in tensors:
         offs = [_offset(tup[i], base[i]) for i in (0, 2, 3, 4, 5)]
         aligned &= offs[0] % 16 == 0 and offs[1] % 16 == 0 and offs[3] % 16 == 0
-        rows.append(offs + [tup[0].numel(), 0, 0])
+        rows.append(offs + [tup[0].numel()] + [0] * (TABLE_COLS - 6))
     device = base[0].device
     chunk = cfg.iters_per_program * cfg.blocks_per_program * block_size
-    counts = torch.tensor([-(-r[5] // chunk) for r in rows], dtype=torch.int64)
+    counts = torch.tensor([cdiv(r[5], chunk) for r in rows], dtype=torch.int64)
     starts = torch.cumsum(counts, 0) - counts
     chunk_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
     chunk_index = torch.arange(int(counts.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, counts)
@@ -386,7 +383,7 @@ def fp8_adamw_update_triton(
     Returns the launch plan; pass it back as `plan` to skip rebuilding the tables when no pointer moved
     (`trust_static`: the caller has checked that params and state did not move; only grads are checked).
     """
-    if not _HAS_TRITON:
+    if not HAS_TRITON:
         raise RuntimeError("FP8AdamW's fused kernel needs triton; use backend='torch' on this machine")
     if plan is None or not (trust_static or plan.key == _static_key(tensors)):
         plan = build_launch_plan(tensors, block_size, cfg)
@@ -525,7 +522,7 @@ class FP8AdamW(torch.optim.Optimizer):
             return False
         if self.backend == "triton":
             return True
-        return device.type == "cuda" and _HAS_TRITON
+        return device.type == "cuda" and HAS_TRITON
 
     def _step_group(self, group: dict[str, Any]) -> None:
         if self._fast_step(group):
@@ -702,7 +699,7 @@ class FP8AdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             return
-        nb = -(-n // int(group["block_size"]))
+        nb = cdiv(n, int(group["block_size"]))
         state["exp_avg"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
         state["exp_avg_scale"] = torch.ones(nb, dtype=torch.float32, device=p.device)
         state["exp_avg_sq_root"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
@@ -762,16 +759,14 @@ def _check_param(p: torch.Tensor) -> None:
 
 
 def _check_fp8_state(p: torch.Tensor, state: dict, block_size: int) -> None:
-    n, nb = p.numel(), -(-p.numel() // block_size)
-    if state["exp_avg"].numel() == n and state["exp_avg_scale"].numel() == nb:
-        if state["exp_avg_sq_root"].numel() == n and state["exp_avg_sq_root_scale"].numel() == nb:
-            return
-    shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
-    want = {"exp_avg": (n,), "exp_avg_scale": (nb,), "exp_avg_sq_root": (n,), "exp_avg_sq_root_scale": (nb,)}
-    if shapes != want:
+    n, nb = p.numel(), cdiv(p.numel(), block_size)
+    want = {"exp_avg": n, "exp_avg_scale": nb, "exp_avg_sq_root": n, "exp_avg_sq_root_scale": nb}
+    if any(state[k].numel() != size for k, size in want.items()):
+        shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
+        expected = {k: (size,) for k, size in want.items()}
         raise RuntimeError(
             f"FP8AdamW state of a parameter with {n} elements (block_size {block_size}) has shapes {shapes}, "
-            f"expected {want}: was the state trimmed or re-partitioned (DeepSpeed elastic checkpoint?) "
+            f"expected {expected}: was the state trimmed or re-partitioned (DeepSpeed elastic checkpoint?) "
             "or saved with another block_size?"
         )
 
