@@ -5,10 +5,10 @@
 1. Correctness: the fused kernel against its torch reference (same maths) on Ling-mini-2.0 shapes, and
    FP8AdamW against AdamW computed in float64 for 3 steps (step 1 must agree to fp32 rounding; later
    steps carry the E4M3 rounding of the stored moments).
-2. Launch-shape sweep of the kernel (blocks per program × warps) on the 476 × [1024, 2048] layout.
+2. Launch-shape sweep of the kernel (blocks per program × warps) on the 477 × [1024, 2048] layout.
 3. Step time (median of CUDA-event timed steps, host overhead included) and state bytes per parameter for
    FP8AdamW, torch.optim.AdamW(fused=True), bitsandbytes AdamW8bit and torchao AdamWFp8, on three
-   layouts of ~1B fp32 parameters: 476 × [1024, 2048]; the tensors of Ling-mini-2.0 (one MoE layer with
+   layouts of ~1B fp32 parameters: 477 × [1024, 2048]; the tensors of Ling-mini-2.0 (one MoE layer with
    its grouped experts, plus the word embedding); one flat ZeRO-style 1-D partition (length not a
    multiple of 128). A table is printed last.
 """
@@ -55,7 +55,7 @@ def ling_shapes() -> list[tuple[int, ...]]:
 
 
 LAYOUTS: dict[str, Callable[[int], list[tuple[int, ...]]]] = {
-    "476x1024x2048": lambda n: [(1024, 2048)] * max(1, round(n / (1024 * 2048))),
+    "477x1024x2048": lambda n: [(1024, 2048)] * max(1, round(n / (1024 * 2048))),
     "flat-partition": lambda n: [(int(n) + 37,)],  # ZeRO-style: one 1-D tensor, not a multiple of 128
     "ling-mini-2.0": lambda n: ling_shapes(),
 }
@@ -293,7 +293,7 @@ def main() -> None:
     results["underflow"] = underflow_rates()
     print("underflow of non-zero v:", results["underflow"], flush=True)
 
-    shapes_a = LAYOUTS["476x1024x2048"](args.params)
+    shapes_a = LAYOUTS["477x1024x2048"](args.params)
     sweep, cfgs = [], {}
     for nb, nw, it in ((16, 16, 1), (8, 8, 1), (8, 8, 4), (16, 16, 2), (16, 8, 1), (32, 8, 1)):
         cfg = KernelConfig(blocks_per_program=nb, num_warps=nw, iters_per_program=it)
@@ -332,7 +332,7 @@ def main() -> None:
 
     floor_ms = lambda n: n * (16 + 16 / 128) / (results["copy_TBps"] * 1e12) * 1e3  # ours: bytes/param
     swept = ", ".join(f"{r['config']}: {r.get('ms', float('nan')):.2f} ms" for r in sweep)
-    print(f"\nkernel sweep (476x1024x2048): {swept}; tables below use {best['config']}")
+    print(f"\nkernel sweep (477x1024x2048): {swept}; tables below use {best['config']}")
     print("\n| layout | optimizer | params | step ms | host ms | state B/param | vs fused AdamW |")
     print("|---|---|---|---|---|---|---|")
     for layout in LAYOUTS:

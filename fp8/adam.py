@@ -196,7 +196,7 @@ class KernelConfig:
     holds 4 contiguous elements, so fp32 and fp8 accesses share one layout (16- and 4-byte accesses, no
     layout conversion through shared memory)."""
 
-    # Measured on an H200 (bench/bench_fp8_adam.py, 476 × [1024, 2048]): 8 × 8 × 1 4.76 ms, 16 × 16 × 1
+    # Measured on an H200 (bench/bench_fp8_adam.py, 477 × [1024, 2048]): 8 × 8 × 1 4.76 ms, 16 × 16 × 1
     # 4.88 ms, 16 × 16 × 2 5.05 ms, 8 × 8 × 4 5.57 ms, 16 × 8 × 1 5.85 ms, 32 × 8 × 1 6.76 ms.
     blocks_per_program: int = 8
     num_warps: int = 8
