@@ -141,11 +141,10 @@ def get_tokenizer(cfg: TokenizerConfig, train_ds: datasets.Dataset | None, corpu
                 return Tokenizer(path)
             except DataError:  # a damaged cached model (writes are atomic, so only outside hands): retrain
                 os.remove(path)
-        if not os.path.isfile(path):
-            if train_ds is None:
-                raise DataError("no cached tokenizer and no corpus to train one on")
-            train_tokenizer(train_ds, cfg, path, seed)
-            meta: dict[str, Any] = {**asdict(cfg), "corpus": corpus_fingerprint, "seed": seed}
-            with open(path[: -len(".model")] + ".json", "w") as f:
-                json.dump(meta, f, indent=1)
+        if train_ds is None:
+            raise DataError("no cached tokenizer and no corpus to train one on")
+        train_tokenizer(train_ds, cfg, path, seed)
+        meta: dict[str, Any] = {**asdict(cfg), "corpus": corpus_fingerprint, "seed": seed}
+        with open(path[: -len(".model")] + ".json", "w") as f:
+            json.dump(meta, f, indent=1)
     return Tokenizer(path)
