@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
-import importlib
+import importlib.util
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -29,11 +29,11 @@ _FEATURES = datasets.Features({"text": datasets.Value("string"), "source": datas
 
 
 def _package_dir(module: str, pip_line: str) -> str:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise DataError(f"bundled corpus needs the package {module!r}: run `{pip_line}`") from e
-    return os.path.dirname(os.path.abspath(mod.__file__))
+    """The folder of an installed package, found without importing it (importing sympy alone takes 0.3 s)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise DataError(f"bundled corpus needs the package {module!r}: run `{pip_line}`")
+    return os.path.dirname(os.path.abspath(spec.origin))
 
 
 def kjv_documents() -> Iterator[str]:
