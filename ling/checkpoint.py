@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """write(tmp) into a sibling temporary file, then rename it over `path`: readers see old or new, never half."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    write(tmp)
     os.replace(tmp, path)
 
 
@@ -49,13 +51,10 @@ def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], rank:
     tag = f"step{step:08d}"
     engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
     state = {"step": step, "rng": _rng_state(), **trainer_state}
-    path = ckpt_dir / tag / f"trainer_state_rank{rank}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    _atomic_write(ckpt_dir / tag / f"trainer_state_rank{rank}.pt", lambda tmp: torch.save(state, tmp))
     _barrier()
     if rank == 0:
-        _atomic_write_text(ckpt_dir / "latest", tag)
+        _atomic_write(ckpt_dir / "latest", lambda tmp: tmp.write_text(tag))
         if keep_last > 0:
             tags = sorted(p.name for p in ckpt_dir.glob("step*") if p.is_dir())
             for old in tags[:-keep_last]:
