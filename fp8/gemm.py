@@ -63,7 +63,7 @@ def _default_config(m: int, n: int, k: int, kind: str) -> GemmConfig:
         return GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
     # H200 sweep (bench/bench_fp8_linear.py --sweep, Ling-mini shapes at 16384 tokens): every GEMM is fastest
     # with TMA + persistent grid + warp specialization: forward/dgrad 800-860 TFLOPS with 4 stages, wgrad
-    # 640-660 with 3 (its fp32 epilogue tile takes the shared memory of a fourth; pointer loads: 560-600).
+    # 635-660 with 3 (its fp32 epilogue tile takes the shared memory of a fourth; pointer loads: 555-581).
     stages = 3 if kind == "wgrad" else 4
     return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=stages, tma=True, persistent=True,
                       warp_specialize=True)  # fmt: skip
