@@ -16,12 +16,12 @@ recipe="blockwise" (the default):
 recipe="tensorwise": one current scale per tensor for x, W and dy (the comparison recipe); GEMMs through
 `torch._scaled_mm` on CUDA (dims multiples of 16) else the dequantize+matmul reference.
 
-Weight cache: W is quantized once and reused for as long as the cache key is unchanged. The key is
-(weight.data_ptr(), weight._version, shape, dtype, device, recipe, pow2, generation): an optimizer's
-in-place update bumps `_version`, so W is re-quantized once per optimizer step and reused across the
-micro-batches of gradient accumulation. `generation` is a global counter bumped by
-`invalidate_fp8_weight_caches()`: call it after a step if parameters are ever rewritten behind autograd's
-back (e.g. a ZeRO-3 re-gather into the same buffer). `module.invalidate_weight_cache()` drops one cache.
+Weight cache (`WeightCache`): W is quantized once and reused for as long as its key is unchanged. The key
+is (weight.data_ptr(), weight._version, shape, dtype, device, generation): an optimizer's in-place update
+bumps `_version`, so W is re-quantized once per optimizer step and reused across the micro-batches of
+gradient accumulation. `generation` is a global counter bumped by `invalidate_fp8_weight_caches()`: call it
+after a step if parameters are rewritten behind autograd's back (DeepSpeed writes through `.data`; a ZeRO-3
+re-gather into the same buffer). `module.invalidate_weight_cache()` drops one cache.
 
 Devices: CUDA tensors run the Triton kernels; CPU tensors run the same maths in PyTorch (fp8/quant.py and
 fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 out).
@@ -29,6 +29,7 @@ fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,15 +47,41 @@ from fp8.quant import (
     quantize_tensorwise,
 )
 
-__all__ = ["FP8Linear", "invalidate_fp8_weight_caches", "RECIPES"]
+__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "RECIPES"]
 
 RECIPES = ("blockwise", "tensorwise")
 _GENERATION = [0]
 
 
 def invalidate_fp8_weight_caches() -> None:
-    """Make every FP8Linear re-quantize its weight at its next forward."""
+    """Make every FP8 weight cache (FP8Linear, FP8 grouped experts) re-quantize at its next use."""
     _GENERATION[0] += 1
+
+
+class WeightCache:
+    """The FP8 form of one weight, re-quantized only when the weight changed.
+
+    The key is (data_ptr, _version, shape, dtype, device, generation): an optimizer's in-place update bumps
+    `_version`, and `invalidate_fp8_weight_caches()` bumps the global generation for updates autograd does not
+    see (DeepSpeed writes through `.data`). `quantize(w) -> tuple of tensors` runs under no_grad.
+    """
+
+    def __init__(self, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> None:
+        self.quantize = quantize
+        self._key: tuple | None = None
+        self._value: tuple[torch.Tensor, ...] = ()
+
+    def get(self, w: torch.Tensor, *options: Any) -> tuple[torch.Tensor, ...]:
+        """The quantized `w`; `options` (e.g. the recipe) are part of the key."""
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, _GENERATION[0], *options)
+        if self._key != key:
+            with torch.no_grad():
+                self._value = self.quantize(w.detach())
+            self._key = key
+        return self._value
+
+    def clear(self) -> None:
+        self._key, self._value = None, ()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -174,27 +201,22 @@ class FP8Linear(nn.Linear):
         self.pow2_scales = bool(pow2_scales)
         self.collect_health: bool = False
         self.health: dict[str, float] = {}
-        self._wcache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._wcache = WeightCache(self._quantize_weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}, pow2_scales={self.pow2_scales}"
 
     def invalidate_weight_cache(self) -> None:
-        self._wcache = None
+        self._wcache.clear()
+
+    def _quantize_weight(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.recipe == "blockwise":
+            return quantize_128x128(w, self.pow2_scales)
+        return quantize_tensorwise(w)
 
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_fp8 [N, K], scale) for the current weight, from the cache when the weight is unchanged."""
-        w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, self.recipe, self.pow2_scales,
-               _GENERATION[0])  # fmt: skip
-        if self._wcache is None or self._wcache[0] != key:
-            with torch.no_grad():
-                if self.recipe == "blockwise":
-                    q, s = quantize_128x128(w.detach(), self.pow2_scales)
-                else:
-                    q, s = quantize_tensorwise(w.detach())
-            self._wcache = (key, q, s)
-        return self._wcache[1], self._wcache[2]
+        return self._wcache.get(self.weight, self.recipe, self.pow2_scales)  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

@@ -120,8 +120,9 @@ def quantize_1x128_transposed_ref(
 
 
 def fp8_transpose_128x128_ref(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Transpose of a 128x128-quantized weight: ([K, N] E4M3, [ceil(K/128), ceil(N/128)] scale); exact."""
-    return q.t().contiguous(), scale.t().contiguous()
+    """Transpose of a 128x128-quantized weight ([N, K] or a stack [G, N, K]): ([..., K, N] E4M3, scale
+    [..., ceil(K/128), ceil(N/128)]); exact."""
+    return q.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
 
 
 def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,22 +152,34 @@ if HAS_TRITON:
 
     @triton.jit
     def _quant_rows_kernel(
-        x_ptr, q_ptr, s_ptr, M, K,
+        x_ptr, q_ptr, s_ptr, idx_ptr, total_ptr, M, K,
         stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
-        BLOCK_M: tl.constexpr, POW2: tl.constexpr,
+        BLOCK_M: tl.constexpr, POW2: tl.constexpr, HAS_IDX: tl.constexpr, HAS_TOTAL: tl.constexpr,
     ):  # fmt: skip
-        """1x128 quantization along K of one [BLOCK_M, 128] tile of x [M, K] (one K block of BLOCK_M rows)."""
+        """1x128 quantization along K of one [BLOCK_M, 128] tile (one K block of BLOCK_M rows) of x [M, K].
+
+        HAS_IDX: output row r reads x row idx[r] (a gather; idx < 0 gives a zero row). HAS_TOTAL: rows from
+        total[0] on are not needed; programs that start there return at once and leave them unwritten."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+        if HAS_TOTAL:
+            if pid_m * BLOCK_M >= tl.load(total_ptr):
+                return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = pid_k * 128 + tl.arange(0, 128)
         m_ok = offs_m < M
-        mask = m_ok[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+        k_ok = (offs_k < K)[None, :]
+        if HAS_IDX:
+            src = tl.load(idx_ptr + offs_m, mask=m_ok, other=-1)
+            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=(src >= 0)[:, None] & k_ok,
+                        other=0.0)  # fmt: skip
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok,
+                        other=0.0)  # fmt: skip
         x = x.to(tl.float32)
         scale = _scale_from_amax(tl.max(tl.abs(x), axis=1), tl.sum((x != x).to(tl.int32), axis=1), POW2)
         q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
-        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=m_ok[:, None] & k_ok)
         tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sk, scale, mask=m_ok)
 
     @triton.jit
@@ -222,11 +235,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _transpose_fp8_kernel(
-        q_ptr, t_ptr, N, K, stride_qn, stride_qk, stride_tk, stride_tn,
+        q_ptr, t_ptr, N, K, stride_qg, stride_qn, stride_qk, stride_tg, stride_tk, stride_tn,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TRANS32: tl.constexpr,
     ):  # fmt: skip
+        """t[g] = q[g]ᵀ for q [G, N, K] (program_id(2) = g; G = 1 for a plain matrix)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        g = tl.program_id(2).to(tl.int64)
+        q_ptr += g * stride_qg
+        t_ptr += g * stride_tg
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -251,16 +268,23 @@ if HAS_TRITON:
 QUANT_OPTIONS: dict = {"trans32": True, "transpose_block": 64, "col_block_f": 32, "col_warps": 4, "row_block_m": 64}
 
 
-def _launch_rows(x: torch.Tensor, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (E4M3 [M, K], fp32 scale [M, KB] with the row index fastest)."""
-    m, k = x.shape
+def _launch_rows(
+    x: torch.Tensor, pow2_scales: bool, row_idx: torch.Tensor | None = None, total: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], fp32 scale [M, KB] with the row index fastest). With `row_idx` (int32 [R]) the
+    output has R rows, row r quantizing x[row_idx[r]] (zeros where row_idx < 0); `total` (int32 device scalar
+    tensor) leaves rows from total on unwritten."""
+    m = row_idx.shape[0] if row_idx is not None else x.shape[0]
+    k = x.shape[1]
     q = torch.empty(m, k, device=x.device, dtype=E4M3)
     s = torch.empty(cdiv(k, BLOCK), m, device=x.device, dtype=torch.float32).t()
     if m and k:
         bm = QUANT_OPTIONS["row_block_m"]
+        dummy = s  # placeholder pointer, never read without HAS_IDX / HAS_TOTAL
         _quant_rows_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
-            x, q, s, m, k, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-            BLOCK_M=bm, POW2=pow2_scales, num_warps=4,
+            x, q, s, row_idx if row_idx is not None else dummy, total if total is not None else dummy, m, k,
+            x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+            BLOCK_M=bm, POW2=pow2_scales, HAS_IDX=row_idx is not None, HAS_TOTAL=total is not None, num_warps=4,
         )  # fmt: skip
     return q, s
 
@@ -366,18 +390,21 @@ def fp8_transpose_128x128(
     q: torch.Tensor, scale: torch.Tensor, *, backend: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On-demand transpose of a 128x128-quantized weight: E4M3 [N, K] -> [K, N]; block scales transposed
-    with it (a 128x128 block's scale is shared by its transpose, so the result is exact)."""
-    if q.dtype != E4M3 or q.dim() != 2:
-        raise TypeError(f"q must be a 2-D float8_e4m3fn tensor, got {q.dtype} {tuple(q.shape)}")
+    with it (a 128x128 block's scale is shared by its transpose, so the result is exact). A stack of weights
+    [G, N, K] (scales [G, NB, KB]) transposes each one: -> [G, K, N] and a scale view [G, KB, NB]."""
+    if q.dtype != E4M3 or q.dim() not in (2, 3):
+        raise TypeError(f"q must be a 2-D or 3-D float8_e4m3fn tensor, got {q.dtype} {tuple(q.shape)}")
     if not use_triton(q, backend):
         return fp8_transpose_128x128_ref(q, scale)
-    n, k = q.shape
-    t = torch.empty(k, n, device=q.device, dtype=E4M3)
-    if n and k:
-        qu, tu = q.view(torch.uint8), t.view(torch.uint8)
+    q3 = q if q.dim() == 3 else q[None]
+    g, n, k = q3.shape
+    t = torch.empty(g, k, n, device=q.device, dtype=E4M3)
+    if n and k and g:
+        qu, tu = q3.view(torch.uint8), t.view(torch.uint8)
         bt = QUANT_OPTIONS["transpose_block"]
-        _transpose_fp8_kernel[(cdiv(n, bt), cdiv(k, bt))](
-            qu, tu, n, k, qu.stride(0), qu.stride(1), tu.stride(0), tu.stride(1), BLOCK_N=bt, BLOCK_K=bt,
-            TRANS32=QUANT_OPTIONS["trans32"], num_warps=4,
+        _transpose_fp8_kernel[(cdiv(n, bt), cdiv(k, bt), g)](
+            qu, tu, n, k, qu.stride(0), qu.stride(1), qu.stride(2), tu.stride(0), tu.stride(1), tu.stride(2),
+            BLOCK_N=bt, BLOCK_K=bt, TRANS32=QUANT_OPTIONS["trans32"], num_warps=4,
         )  # fmt: skip
-    return t, scale.t().contiguous()
+    # the GEMMs read scales through strides, so the transposed scale needs no copy
+    return (t if q.dim() == 3 else t[0]), scale.transpose(-2, -1)

@@ -39,6 +39,10 @@ class ModelConfig:
     bias_update_rate: float = 1e-3  # aux-loss-free balancing; 0 disables the update
     z_loss_coef: float = 3.5e-6
     aux_loss_coef: float = 0.0
+    # routing-map padding: round each expert's rows up to a multiple of moe_pad_multiple with gate-0 pad rows
+    # (None: on iff precision == "fp8"); the grouped FP8 kernels use the 16-alignment for 16-byte loads
+    pad_for_fp8: bool | None = None
+    moe_pad_multiple: int = 16
     # Multi-Token Prediction
     num_mtp_layers: int = 1
     mtp_loss_weight: float = 0.1
@@ -87,6 +91,11 @@ class ModelConfig:
              f"must be in [1, topk_groups * experts_per_group = {self.topk_groups * per_group}]")
         need(self.num_mtp_layers >= 0, "num_mtp_layers", f"must be >= 0, got {self.num_mtp_layers}")
         need(self.precision in ("bf16", "fp8"), "precision", f"must be 'bf16' or 'fp8', got {self.precision!r}")
+        need(self.moe_pad_multiple >= 1, "moe_pad_multiple", f"must be >= 1, got {self.moe_pad_multiple}")
+        if self.precision == "fp8" and self.fp8_recipe == "blockwise":
+            for key in ("hidden_size", "expert_intermediate_size"):
+                need(getattr(self, key) % 128 == 0, key,
+                     f"must be a multiple of 128 for the blockwise FP8 experts, got {getattr(self, key)}")
         need(self.fp8_recipe in ("blockwise", "tensorwise"), "fp8_recipe",
              f"must be 'blockwise' or 'tensorwise', got {self.fp8_recipe!r}")
 
@@ -94,6 +103,10 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(round(self.head_dim * self.rotary_fraction))
+
+    @property
+    def pad_for_fp8_resolved(self) -> bool:
+        return self.precision == "fp8" if self.pad_for_fp8 is None else bool(self.pad_for_fp8)
 
     @property
     def is_moe_layer(self) -> list[bool]:

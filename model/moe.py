@@ -1,4 +1,10 @@
-"""Mixture of Experts: the sigmoid group-limited router with aux-loss-free bias, grouped experts, the block."""
+"""Mixture of Experts: the sigmoid group-limited router with aux-loss-free bias, grouped experts, the block.
+
+One MoE forward: router (fp32 logits, group-limited top-k) → `plan_dispatch` (expert-sorted rows, optional
+routing-map padding; model/dispatch.py) → `GroupedExperts` (bf16: two `torch._grouped_mm`; fp8: the
+blockwise-FP8 grouped kernels of fp8/grouped.py) with the gate folded into the down projection's input → the
+ordered combine; plus the shared expert. Nothing on this path waits for the host.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.dispatch import DispatchPlan, permute, plan_dispatch, row_gates, unpermute
 from model.layers import MLP
 
 
@@ -58,7 +65,9 @@ class Router(nn.Module):
         topk_idx = self.select(scores)
         weight = scores.gather(1, topk_idx)
         weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * self.scaling
-        counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts)
+        flat = topk_idx.flatten()  # scatter_add, not bincount: CUDA's bincount waits for the host twice
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         if self.training:
             self.tokens_per_expert += counts.float()
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
@@ -80,29 +89,45 @@ class Router(nn.Module):
         masked = biased.masked_fill(~expert_mask, float("-inf"))
         return masked.topk(self.top_k, dim=-1).indices
 
-    @torch.no_grad()
     def update_expert_bias(self, rate: float) -> dict[str, float]:
-        """b += rate · (sign(mean − n_e) − mean(sign(mean − n_e))), with n_e summed over all ranks.
+        """This router alone: `update_expert_biases([self], rate)[0]`."""
+        return update_expert_biases([self], rate)[0]
 
-        Call once per optimizer step; returns the load statistics of the step (max/mean, before update).
-        """
-        counts = self.tokens_per_expert.clone()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(counts)
-        mean = counts.mean()
-        stats = {"max_over_mean": float(counts.max() / mean) if mean > 0 else 0.0}
-        if rate > 0 and mean > 0:
-            sign = torch.sign(mean - counts)
-            self.expert_bias += rate * (sign - sign.mean())
-        self.tokens_per_expert.zero_()
-        return stats
+
+@torch.no_grad()
+def update_expert_biases(routers: list[Router], rate: float) -> list[dict[str, float]]:
+    """For every router: b += rate · (sign(mean − n_e) − mean(sign(mean − n_e))), with n_e the tokens routed to
+    expert e since the last call, summed over all ranks (one all-reduce for all routers); the counts restart.
+
+    Call once per optimizer step; returns each router's load statistics of the step (max/mean, before the
+    update), read from the device once for all routers."""
+    if not routers:
+        return []
+    counts = torch.stack([r.tokens_per_expert for r in routers])  # [L, E] fp32
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    mean = counts.mean(1, keepdim=True)
+    busy = mean > 0
+    if rate > 0:
+        sign = torch.sign(mean - counts)
+        delta = rate * (sign - sign.mean(1, keepdim=True)) * busy
+        for r, d in zip(routers, delta):
+            r.expert_bias += d
+    for r in routers:
+        r.tokens_per_expert.zero_()
+    ratio = torch.where(busy, counts.amax(1, keepdim=True) / mean.clamp(min=1e-30), torch.zeros_like(mean))
+    return [{"max_over_mean": v} for v in ratio.flatten().tolist()]
 
 
 class GroupedExperts(nn.Module):
-    """`num_experts` SwiGLU experts stored stacked; tokens arrive sorted into contiguous per-expert segments.
+    """`num_experts` SwiGLU experts stored stacked: gate_up_proj [E, 2·I, H] (rows gate | up) and down_proj
+    [E, H, I], each expert an nn.Linear-style [out, in] matrix.
 
-    gate_up_proj [E, 2·I, H] and down_proj [E, H, I] (each expert is an nn.Linear-style [out, in] matrix).
-    On CUDA with bf16 one `torch._grouped_mm` launch runs all experts; elsewhere a loop over segments.
+    forward(x [T, H], topk_weight [T, k], plan) → Σ_j topk_weight[t, j] · expert_{e(t,j)}(x[t]) [T, H], the
+    gate applied to the down projection's input (the same maths as weighting the output), summed in fp32.
+    precision "fp8": the blockwise-FP8 grouped kernels (`fp8.grouped.fp8_grouped_experts`), expert weights
+    quantized 128x128 once per optimizer step (the FP8 weight caches). "bf16": on CUDA with bf16 one
+    `torch._grouped_mm` per projection; elsewhere a loop over the segments.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -111,28 +136,55 @@ class GroupedExperts(nn.Module):
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        self.fp8 = config.precision == "fp8"
+        self.pow2_scales = config.fp8_pow2_scales
+        if self.fp8:
+            from fp8.grouped import quantize_expert_weights
+            from fp8.linear import WeightCache
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, H] sorted by expert; tokens_per_expert int64 [E] (sums to N) → [N, H]."""
+            quantize = lambda w: quantize_expert_weights(w, self.pow2_scales)  # noqa: E731
+            self._gate_up_fp8, self._down_fp8 = WeightCache(quantize), WeightCache(quantize)
+
+    def forward(self, x: torch.Tensor, topk_weight: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        if self.fp8:
+            from fp8.grouped import fp8_grouped_experts
+
+            wq = (*self._gate_up_fp8.get(self.gate_up_proj), *self._down_fp8.get(self.down_proj))
+            return fp8_grouped_experts(x, topk_weight, self.gate_up_proj, self.down_proj, wq, plan.row_src,
+                                       plan.pos, plan.rows, self.pow2_scales)  # fmt: skip
+        rows_x = permute(x, plan)
+        gate = row_gates(topk_weight, plan)
+        return unpermute(self._mlp(rows_x, gate, plan), plan)
+
+    def _swiglu(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        g, u = h.chunk(2, dim=-1)
+        return (F.silu(g) * u * gate[:, None]).to(h.dtype)
+
+    def _mlp(self, x: torch.Tensor, gate: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Expert-sorted rows [M, H] and their gates [M] → gated expert outputs [M, H] (unused rows unspecified)."""
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+            offs = plan.rows.offsets[1:]  # segment ends; rows past offs[-1] are ignored
             h = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offs)
-            gate, up = h.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        out = x.new_empty(x.shape)
-        start = 0
-        for e, n in enumerate(tokens_per_expert.tolist()):
-            if n == 0:
-                continue
-            seg = x[start:start + n]
-            gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[start:start + n] = F.linear(F.silu(gate) * up, self.down_proj[e])
-            start += n
-        return out
+            return torch._grouped_mm(self._swiglu(h, gate), self.down_proj.transpose(1, 2), offs=offs)
+        # the reference loop (CPU, where host offsets are free), over each segment's data rows: zero pad rows
+        # are left out so that the matmul shapes, and so the bits, do not depend on padding
+        parts, end = [], 0
+        for e, (lo, hi) in enumerate(plan.rows.host_segments()):
+            if lo > end:
+                parts.append(x.new_zeros(lo - end, x.shape[1]))
+            if hi > lo:
+                h = F.linear(x[lo:hi], self.gate_up_proj[e])
+                parts.append(F.linear(self._swiglu(h, gate[lo:hi]), self.down_proj[e]))
+            end = hi
+        parts.append(x.new_zeros(x.shape[0] - end, x.shape[1]))
+        return torch.cat(parts)
 
 
 class MoE(nn.Module):
-    """Routed experts (weighted, summed in fp32) plus the shared expert (added unscaled)."""
+    """Routed experts (gated, summed in fp32) plus the shared expert (added unscaled).
+
+    Routing-map padding (`pad_for_fp8`, on by default under FP8) rounds every expert's row count up to
+    `pad_multiple` with gate-0 pad rows (model/dispatch.py); outputs and gradients are unchanged by it."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -142,20 +194,15 @@ class MoE(nn.Module):
             MLP(config.hidden_size, config.expert_intermediate_size * config.num_shared_experts, config)
             if config.num_shared_experts > 0 else None
         )
+        self.pad_multiple = config.moe_pad_multiple if config.pad_for_fp8_resolved else 1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         """x [B, T, H] → ([B, T, H], router output)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        k = routing.topk_idx.shape[1]
-        flat_expert = routing.topk_idx.flatten()
-        order = torch.argsort(flat_expert, stable=True)  # permutation into per-expert segments
-        token_idx = order // k
-        expert_out = self.experts(flat[token_idx], routing.tokens_per_expert)
-        weighted = expert_out.float() * routing.topk_weight.flatten()[order].unsqueeze(-1)
-        routed = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device).index_add_(0, token_idx, weighted)
-        out = routed.to(x.dtype).view(shape)
+        plan = plan_dispatch(routing.topk_idx, self.router.num_experts, self.pad_multiple)
+        out = self.experts(flat, routing.topk_weight, plan).view(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out, routing

@@ -1,0 +1,861 @@
+"""Grouped blockwise FP8 GEMMs for MoE experts (Triton) with their PyTorch references, the row gather / sum
+ops of dispatch and combine, and the FP8 grouped-experts autograd function.
+
+Layout (`GroupedRows`): the M rows of an activation are sorted into contiguous per-expert segments; segment g
+is rows offsets[g] : offsets[g + 1] (any length, 0 included). Rows from offsets[G] to M are unused (the
+dispatch allocates a static upper bound so that nothing waits for the host): kernels never read their
+results and may leave them unwritten. `offsets` lives on the device; every kernel walks it there (a
+persistent grid over a tile → expert table found by binary search), so no launch needs a host round trip.
+
+Recipe (the same as `fp8/gemm.py`): E4M3, fp32 scales per block, fp32 accumulation with both scales applied
+per 128-wide K block.
+- forward / dgrad, `grouped_gemm`: out[seg g] = a[seg g] · b[g]ᵀ with a 1x128-scaled along K ([M, KB]) and the
+  expert weights b [G, N, K] 128x128-scaled ([G, NB, KB]); dgrad uses the on-demand transpose of b.
+- wgrad, `grouped_gemm_wgrad`: out[g] = a[:, seg g] · b[:, seg g]ᵀ for a [N, M], b [K, M] quantized 1x128
+  along the token dim with blocks that restart at every segment start (`quantize_tokens_grouped`): segment g
+  owns token blocks blocks[g] : blocks[g + 1] (`GroupedRows.block_offsets()`), so segments need no
+  128-alignment (routing-map padding rounds them to a small multiple, 16, which lets the kernels use
+  16-byte loads).
+
+The experts' function `fp8_grouped_experts` fuses the permutation gather into the quantization of the routed
+tokens, the SwiGLU and the gate multiply into the down projection's input quantization (y = W_down·(g·a) is
+the same as g·(W_down·a), and its gradient needs only the 512-wide row dot <d(g·a), a>), and the combine into
+one ordered gather-sum (deterministic, no atomics). Saved for backward: xᵀ in FP8 (gate-up wgrad operand) and
+the SwiGLU input h in FP8 (DeepSeek-V3's choice); a = SwiGLU(h) is recomputed in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
+from fp8.quant import _launch_rows, dequantize_1x128, fp8_transpose_128x128, quantize_1x128_ref
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from fp8.gemm import _b_scale_ptrs, _num_sms, _promote
+    from fp8.quant import _scale_from_amax
+
+__all__ = [
+    "GroupedRows",
+    "GroupedGemmConfig",
+    "grouped_gemm",
+    "grouped_gemm_ref",
+    "grouped_gemm_wgrad",
+    "grouped_gemm_wgrad_ref",
+    "quantize_rows_gathered",
+    "quantize_tokens_grouped",
+    "quantize_tokens_grouped_ref",
+    "swiglu_quantize",
+    "swiglu_backward",
+    "gather_rows",
+    "sum_rows",
+    "fp8_grouped_experts",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Segments
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class GroupedRows:
+    """M rows sorted into G contiguous segments: segment g is rows offsets[g] : offsets[g + 1].
+
+    offsets: int32 [G + 1] on the rows' device, non-decreasing, offsets[0] == 0, offsets[G] <= num_rows.
+    num_rows: M, the allocated rows (a static bound; rows >= offsets[G] are unused).
+    alignment: every offsets[g] is a multiple of this (a promise the kernels use for vector loads; 1 = none).
+    data_lengths: optional int [G]: only the first data_lengths[g] rows of segment g carry data, the rest are
+    zero rows (routing-map padding). The kernels need not know (zero rows add nothing); the host-loop
+    references skip those rows, so that their matmul shapes, and hence their bits, do not depend on padding.
+    """
+
+    offsets: torch.Tensor
+    num_rows: int
+    alignment: int = 1
+    data_lengths: torch.Tensor | None = None
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_groups(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def total(self) -> torch.Tensor:
+        """int32 [1] device view of offsets[G]: the number of rows in use."""
+        return self.offsets[-1:]
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def block_offsets(self, block: int = BLOCK) -> torch.Tensor:
+        """int32 [G + 1]: exclusive prefix sum of cdiv(len_g, block): segment g owns blocks (tiles) b[g]:b[g+1].
+        Computed on the device (no sync) once per block size."""
+        if block not in self._tables:
+            counts = torch.div(self.lengths() + (block - 1), block, rounding_mode="floor")
+            table = torch.zeros(self.num_groups + 1, dtype=torch.int32, device=self.offsets.device)
+            table[1:] = torch.cumsum(counts, 0)
+            self._tables[block] = table
+        return self._tables[block]
+
+    def max_blocks(self, block: int = BLOCK) -> int:
+        """A host-side bound on block_offsets(block)[G]: each segment adds at most one partial block."""
+        return cdiv(self.num_rows, block) + self.num_groups
+
+    def host_segments(self) -> list[tuple[int, int]]:
+        """(first row, end of the data rows) of each segment, on the host (a sync: the reference path only)."""
+        offs = self.offsets.tolist()
+        ends = offs[1:] if self.data_lengths is None else [o + n for o, n in zip(offs, self.data_lengths.tolist())]
+        return list(zip(offs[:-1], ends))
+
+
+def _check_rows(rows: GroupedRows, m: int, name: str) -> None:
+    if rows.num_rows != m:
+        raise ValueError(f"{name} has {m} rows but the GroupedRows layout has num_rows={rows.num_rows}")
+    if rows.offsets.dtype != torch.int32 or rows.offsets.dim() != 1:
+        raise TypeError(f"GroupedRows.offsets must be a 1-D int32 tensor, got {rows.offsets.dtype} "
+                        f"{tuple(rows.offsets.shape)}")  # fmt: skip
+
+
+def _search_steps(groups: int) -> int:
+    return max(1, math.ceil(math.log2(max(groups, 2))))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References (CPU path and tests): loops over segments on the host
+# ----------------------------------------------------------------------------------------------------------
+def _gathered(x: torch.Tensor, row_idx: torch.Tensor | None) -> torch.Tensor:
+    """x[row_idx] with zero rows where row_idx < 0 (or x itself)."""
+    if row_idx is None:
+        return x
+    idx = row_idx.long()
+    out = x[idx.clamp(min=0)]
+    return out.masked_fill((idx < 0)[:, None], 0)
+
+
+def quantize_tokens_grouped_ref(
+    x: torch.Tensor, rows: GroupedRows, row_idx: torch.Tensor | None = None, pow2_scales: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `quantize_tokens_grouped`: (E4M3 [K, M], fp32 scale [K, max_blocks]) with 1x128 blocks along
+    the token dim restarting at every segment start. Unused columns are zero."""
+    src = _gathered(x, row_idx).float()
+    k = src.shape[1]
+    qt = torch.zeros(k, rows.num_rows, dtype=E4M3, device=x.device)
+    st = torch.zeros(rows.max_blocks(), k, dtype=torch.float32, device=x.device).t()
+    blocks = rows.block_offsets().tolist()
+    for g, (lo, hi) in enumerate(rows.host_segments()):
+        if hi > lo:  # zero pad rows would not change a block's scale and quantize to zeros
+            q, s = quantize_1x128_ref(src[lo:hi].t())
+            qt[:, lo:hi] = q
+            st[:, blocks[g]:blocks[g] + s.shape[1]] = s
+    return qt, st
+
+
+def grouped_gemm_ref(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # fmt: skip
+    """out[seg g] = deq(a[seg g]) · deq(b[g])ᵀ in fp32; unused rows are zero. a [M, K], b [G, N, K]."""
+    from fp8.quant import dequantize_128x128
+
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    for g, (lo, hi) in enumerate(rows.host_segments()):
+        if hi > lo:
+            out[lo:hi] = (dequantize_1x128(a[lo:hi], a_scale[lo:hi]) @ dequantize_128x128(b[g], b_scale[g]).t()).to(
+                out_dtype
+            )
+    return out
+
+
+def grouped_gemm_wgrad_ref(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # fmt: skip
+    """out[g] = deq(a[:, seg g]) · deq(b[:, seg g])ᵀ; a [N, M] and b [K, M] with per-segment token blocks."""
+    n, k = a.shape[0], b.shape[0]
+    out = torch.zeros(rows.num_groups, n, k, dtype=out_dtype, device=a.device)
+    blocks = rows.block_offsets().tolist()
+    for g, (lo, hi) in enumerate(rows.host_segments()):
+        if hi > lo:
+            nb = cdiv(hi - lo, BLOCK)
+            sa, sb = a_scale[:, blocks[g]:blocks[g] + nb], b_scale[:, blocks[g]:blocks[g] + nb]
+            out[g] = (dequantize_1x128(a[:, lo:hi], sa) @ dequantize_1x128(b[:, lo:hi], sb).t()).to(out_dtype)
+    return out
+
+
+def _silu(g: torch.Tensor) -> torch.Tensor:
+    return g / (1.0 + torch.exp(-g))
+
+
+def swiglu_quantize_ref(h: torch.Tensor, row_gate: torch.Tensor, pow2_scales: bool = False):
+    """a = silu(h_gate)·h_up·row_gate in fp32, quantized 1x128 → (a_q, a_s, h_q, h_s); h_q = quantize_1x128(h)."""
+    inter = h.shape[1] // 2
+    hf = h.float()
+    a = _silu(hf[:, :inter]) * hf[:, inter:] * row_gate.float()[:, None]
+    return (*quantize_1x128_ref(a, pow2_scales), *quantize_1x128_ref(h, pow2_scales))
+
+
+def swiglu_backward_ref(h_q, h_s, da, row_gate, pow2_scales: bool = False):
+    """From the FP8 SwiGLU input h and da = d(g·a): (dh [M, 2I] in da's dtype, dh_q, dh_s, d_gate fp32 [M])."""
+    h = dequantize_1x128(h_q, h_s)
+    inter = h.shape[1] // 2
+    g, u = h[:, :inter], h[:, inter:]
+    s = 1.0 / (1.0 + torch.exp(-g))
+    silu = g * s
+    da32 = da.float()
+    d_gate = (da32 * silu * u).sum(1)
+    da0 = da32 * row_gate.float()[:, None]
+    dh = torch.cat([da0 * u * (s + silu * (1.0 - s)), da0 * silu], dim=1).to(da.dtype)
+    return (dh, *quantize_1x128_ref(dh, pow2_scales), d_gate)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _find_group(table_ptr, x, G, STEPS: tl.constexpr):
+        """The largest g in [0, G) with table[g] <= x for a non-decreasing table (table[0] <= x < table[G]):
+        the non-empty segment that owns item x."""
+        lo = x * 0
+        hi = lo + G
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            right = tl.load(table_ptr + mid) <= x
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        return lo
+
+    @triton.jit
+    def _grouped_gemm_kernel(
+        a_ptr, a_desc, b_ptr, b_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
+        M, N, K, G,
+        stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
+        stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr, STEPS: tl.constexpr,
+        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
+        tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile."""
+        BLOCK_K: tl.constexpr = 128
+        num_n = tl.cdiv(N, BLOCK_N)
+        num_tiles = tl.load(tiles_ptr + G) * num_n
+        num_kb = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+            g = _find_group(tiles_ptr, tile // num_n, G, STEPS)
+            t0 = tl.load(tiles_ptr + g)
+            mt = tl.load(tiles_ptr + g + 1) - t0
+            local = tile - t0 * num_n
+            pid_n = local // mt
+            seg_end = tl.load(offs_ptr + g + 1)
+            row0 = tl.load(offs_ptr + g) + (local % mt) * BLOCK_M
+            n0 = pid_n * BLOCK_N
+            offs_m = row0 + tl.arange(0, BLOCK_M)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            offs_am = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the segment are computed, never stored
+            offs_bn = offs_n % N
+            as_ptrs = as_ptr + offs_am * stride_asm
+            bs_ptrs = _b_scale_ptrs(bs_ptr + g * stride_bsg, pid_n, offs_bn, stride_bsn, True, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
+            b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in tl.range(0, num_kb, warp_specialize=WS):
+                if TMA:
+                    a = a_desc.load([row0, kb * BLOCK_K])
+                    b = b_desc.load([g * N + n0, kb * BLOCK_K])
+                elif EVEN_K:
+                    a = tl.load(a_ptrs + kb * BLOCK_K * stride_ak)
+                    b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk)
+                else:
+                    k_ok = offs_k < K - kb * BLOCK_K
+                    a = tl.load(a_ptrs + kb * BLOCK_K * stride_ak, mask=k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk, mask=k_ok[None, :], other=0.0)
+                sa = tl.load(as_ptrs + kb * stride_ask)
+                sb = tl.load(bs_ptrs + kb * stride_bsk)
+                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
+            c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < seg_end)[:, None] & (offs_n < N)[None, :])
+
+    @triton.jit
+    def _grouped_wgrad_kernel(
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, blk_ptr,
+        N, K, G,
+        stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
+        stride_asn, stride_asb, stride_bsk, stride_bsb,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr,
+    ):  # fmt: skip
+        """out[g] tile = Σ over g's 128-token blocks of dot(a[n-tile, blk], b[k-tile, blk]ᵀ)·sa·sb; persistent
+        grid over (expert, n-tile, k-tile), k-tiles fastest so neighbouring programs share the a tile."""
+        num_n = tl.cdiv(N, BLOCK_N)
+        num_k = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), G * num_n * num_k, NUM_PROGRAMS):
+            g = tile // (num_n * num_k)
+            pid_n = (tile // num_k) % num_n
+            pid_k = tile % num_k
+            seg_lo = tl.load(offs_ptr + g)
+            seg_hi = tl.load(offs_ptr + g + 1)
+            blk0 = tl.load(blk_ptr + g)
+            nblk = tl.load(blk_ptr + g + 1) - blk0
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+            offs_an = tl.minimum(offs_n, N - 1).to(tl.int64)
+            offs_bk = tl.minimum(offs_k, K - 1).to(tl.int64)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for j in tl.range(0, nblk):
+                t0 = seg_lo + j * 128
+                if ALIGNED:
+                    t0 = tl.multiple_of(t0, 16)
+                toks = t0 + tl.arange(0, 128)
+                t_ok = (toks < seg_hi)[None, :]
+                a = tl.load(a_ptr + offs_an[:, None] * stride_an + toks[None, :] * stride_am, mask=t_ok, other=0.0)
+                b = tl.load(b_ptr + offs_bk[:, None] * stride_bk + toks[None, :] * stride_bm, mask=t_ok, other=0.0)
+                sa = tl.load(as_ptr + offs_an * stride_asn + (blk0 + j) * stride_asb)
+                sb = tl.load(bs_ptr + offs_bk * stride_bsk + (blk0 + j) * stride_bsb)
+                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
+            c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + offs_n[:, None] * stride_cn + offs_k[None, :] * stride_ck
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+
+    @triton.jit
+    def _quant_tokens_grouped_kernel(
+        x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
+        K, G,
+        stride_xm, stride_xk, stride_xsm, stride_xsk, stride_qtk, stride_qtm, stride_stk, stride_stb,
+        BLOCK_F: tl.constexpr, PROLOGUE: tl.constexpr, HAS_IDX: tl.constexpr, ALIGNED: tl.constexpr,
+        POW2: tl.constexpr, STEPS: tl.constexpr,
+    ):  # fmt: skip
+        """1x128 quantization along tokens of one [128 tokens, BLOCK_F features] chunk of one segment's token
+        block b (blocks restart at segment starts), written transposed into qt [K, M], scales st[:, b].
+
+        PROLOGUE 0: x is a float [rows, K] tensor (gathered through idx when HAS_IDX, zeros where idx < 0).
+        PROLOGUE 2: x is the FP8 SwiGLU input h [M, 2K] with 1x128 scales xs; the chunk is
+        a = silu(h_gate)·h_up·gate[row], recomputed in registers."""
+        pid_b = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_b >= tl.load(blk_ptr + G):
+            return
+        g = _find_group(blk_ptr, pid_b, G, STEPS)
+        seg_hi = tl.load(offs_ptr + g + 1)
+        row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
+        if ALIGNED:
+            row0 = tl.multiple_of(row0, 16)
+        rows = row0 + tl.arange(0, 128)
+        in_seg = rows < seg_hi
+        offs_k = pid_k * BLOCK_F + tl.arange(0, BLOCK_F)
+        k_ok = offs_k < K
+        if HAS_IDX:
+            src = tl.load(idx_ptr + rows, mask=in_seg, other=-1)
+            ok = src >= 0
+        else:
+            src = rows
+            ok = in_seg
+        mask = ok[:, None] & k_ok[None, :]
+        if PROLOGUE == 2:
+            kb = pid_k * BLOCK_F // 128
+            hg = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+            hu = tl.load(x_ptr + src[:, None] * stride_xm + (K + offs_k)[None, :] * stride_xk, mask=mask, other=0.0)
+            sg = tl.load(xs_ptr + src * stride_xsm + kb * stride_xsk, mask=ok, other=0.0)
+            su = tl.load(xs_ptr + src * stride_xsm + (K // 128 + kb) * stride_xsk, mask=ok, other=0.0)
+            hg = hg.to(tl.float32) * sg[:, None]
+            hu = hu.to(tl.float32) * su[:, None]
+            w = tl.load(gate_ptr + rows, mask=ok, other=0.0)
+            v = hg / (1.0 + tl.exp(-hg)) * hu * w[:, None]
+        else:
+            v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+            v = v.to(tl.float32)
+        scale = _scale_from_amax(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
+        q = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
+        tl.store(qt_ptr + offs_k[None, :] * stride_qtk + rows[:, None] * stride_qtm, q,
+                 mask=in_seg[:, None] & k_ok[None, :])  # fmt: skip
+        tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
+
+    @triton.jit
+    def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
+        """Quantize a [rows, 128] fp32 block 1x128 along its columns; store the codes and the row scales."""
+        scale = _scale_from_amax(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
+        tl.store(q_ptrs, tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptrs, scale, mask=m_ok)
+
+    @triton.jit
+    def _swiglu_quant_kernel(
+        h_ptr, gate_ptr, aq_ptr, as_ptr, hq_ptr, hs_ptr, total_ptr, M, I,
+        stride_hm, stride_hk, stride_qm, stride_qk, stride_sm, stride_sk,
+        stride_hqm, stride_hqk, stride_hsm, stride_hsk,
+        BLOCK_M: tl.constexpr, SAVE_H: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        """One [BLOCK_M, 128] block of a = silu(h_gate)·h_up·gate (fp32) quantized 1x128; with SAVE_H also the two
+        h blocks it reads (h_q = quantize_1x128(h), kept for backward)."""
+        pid_m = tl.program_id(0)
+        pid_f = tl.program_id(1)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rows < M
+        cols = pid_f * 128 + tl.arange(0, 128)
+        mask = m_ok[:, None] & (cols < I)[None, :]
+        hp = h_ptr + rows[:, None] * stride_hm
+        hg = tl.load(hp + cols[None, :] * stride_hk, mask=mask, other=0.0).to(tl.float32)
+        hu = tl.load(hp + (I + cols)[None, :] * stride_hk, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(gate_ptr + rows, mask=m_ok, other=0.0)
+        a = hg / (1.0 + tl.exp(-hg)) * hu * w[:, None]
+        _quant_block(a, aq_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk,
+                     as_ptr + rows * stride_sm + pid_f * stride_sk, mask, m_ok, POW2)  # fmt: skip
+        if SAVE_H:
+            hqp = hq_ptr + rows[:, None] * stride_hqm
+            hsp = hs_ptr + rows * stride_hsm
+            _quant_block(hg, hqp + cols[None, :] * stride_hqk, hsp + pid_f * stride_hsk, mask, m_ok, POW2)
+            _quant_block(hu, hqp + (I + cols)[None, :] * stride_hqk, hsp + (I // 128 + pid_f) * stride_hsk, mask,
+                         m_ok, POW2)  # fmt: skip
+
+    @triton.jit
+    def _swiglu_bwd_kernel(
+        hq_ptr, hs_ptr, da_ptr, gate_ptr, dh_ptr, dhq_ptr, dhs_ptr, dgate_ptr, total_ptr, M, I,
+        stride_hqm, stride_hqk, stride_hsm, stride_hsk, stride_dam, stride_dak, stride_dhm, stride_dhk,
+        stride_dqm, stride_dqk, stride_dsm, stride_dsk,
+        BLOCK_M: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        """SwiGLU backward of BLOCK_M rows from the FP8 input h and da = d(gate·a): dh (stored in da's dtype and
+        quantized 1x128 from those rounded values, as any bf16 gradient is) and d_gate = Σ da·silu(h_g)·h_u."""
+        pid_m = tl.program_id(0)
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rows < M
+        w = tl.load(gate_ptr + rows, mask=m_ok, other=0.0)
+        d_gate = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for f in tl.range(0, I, 128):
+            cols = f + tl.arange(0, 128)
+            mask = m_ok[:, None] & (cols < I)[None, :]
+            kb = f // 128
+            hqp = hq_ptr + rows[:, None] * stride_hqm
+            sg = tl.load(hs_ptr + rows * stride_hsm + kb * stride_hsk, mask=m_ok, other=0.0)
+            su = tl.load(hs_ptr + rows * stride_hsm + (I // 128 + kb) * stride_hsk, mask=m_ok, other=0.0)
+            hg = tl.load(hqp + cols[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * sg[:, None]
+            hu = tl.load(hqp + (I + cols)[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * su[:, None]
+            da = tl.load(da_ptr + rows[:, None] * stride_dam + cols[None, :] * stride_dak, mask=mask, other=0.0)
+            da = da.to(tl.float32)
+            s = 1.0 / (1.0 + tl.exp(-hg))
+            silu = hg * s
+            d_gate += tl.sum(da * silu * hu, axis=1)
+            da0 = da * w[:, None]
+            dg = (da0 * hu * (s + silu * (1.0 - s))).to(dh_ptr.dtype.element_ty)
+            du = (da0 * silu).to(dh_ptr.dtype.element_ty)
+            dhp = dh_ptr + rows[:, None] * stride_dhm
+            tl.store(dhp + cols[None, :] * stride_dhk, dg, mask=mask)
+            tl.store(dhp + (I + cols)[None, :] * stride_dhk, du, mask=mask)
+            dqp = dhq_ptr + rows[:, None] * stride_dqm
+            dsp = dhs_ptr + rows * stride_dsm
+            _quant_block(dg.to(tl.float32), dqp + cols[None, :] * stride_dqk, dsp + kb * stride_dsk, mask, m_ok, POW2)
+            _quant_block(du.to(tl.float32), dqp + (I + cols)[None, :] * stride_dqk, dsp + (I // 128 + kb) * stride_dsk,
+                         mask, m_ok, POW2)  # fmt: skip
+        tl.store(dgate_ptr + rows, d_gate, mask=m_ok)
+
+    @triton.jit
+    def _gather_rows_kernel(
+        x_ptr, idx_ptr, out_ptr, R, H, stride_xm, stride_xh, stride_om, stride_oh,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        r_ok = rows < R
+        h_ok = (cols < H)[None, :]
+        src = tl.load(idx_ptr + rows, mask=r_ok, other=-1)
+        v = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :] * stride_xh, mask=(src >= 0)[:, None] & h_ok,
+                    other=0.0)  # fmt: skip
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oh, v, mask=r_ok[:, None] & h_ok)
+
+    @triton.jit
+    def _sum_rows_kernel(
+        y_ptr, pos_ptr, out_ptr, T, H, stride_ym, stride_yh, stride_ot, stride_oh,
+        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """out[t] = Σ_j y[pos[t, j]] summed in fp32 in slot order (deterministic)."""
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (toks < T)[:, None] & (cols < H)[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            r = tl.load(pos_ptr + toks * TOPK + j, mask=toks < T, other=0)
+            acc += tl.load(y_ptr + r[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yh, mask=mask,
+                           other=0.0).to(tl.float32)  # fmt: skip
+        tl.store(out_ptr + toks[:, None] * stride_ot + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration (defaults beside the kernels; the benchmark's sweep may override them)
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Tiles of the grouped GEMMs. Forward/dgrad: block_m x block_n output tiles (BLOCK_K = 128, the scale
+    block), TMA operand loads, optional warp specialization. Wgrad: block_n x block_k output tiles."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+    tma: bool = True
+    warp_specialize: bool = False
+    wgrad_block_n: int = 128
+    wgrad_block_k: int = 128
+    wgrad_warps: int = 8
+    wgrad_stages: int = 3
+    programs_per_sm: int = 1
+
+
+GROUPED_CONFIG: dict[str, GroupedGemmConfig | None] = {"default": None}
+
+
+def _config() -> GroupedGemmConfig:
+    if GROUPED_CONFIG["default"] is not None:
+        return GROUPED_CONFIG["default"]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # small tiles keep the CPU interpreter fast
+        return GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False,
+                                 wgrad_block_n=32, wgrad_block_k=32)  # fmt: skip
+    return GroupedGemmConfig()
+
+
+def set_grouped_config(cfg: GroupedGemmConfig | None) -> None:
+    """Force the grouped GEMMs' tile configuration (the benchmark's sweep); None restores the default."""
+    GROUPED_CONFIG["default"] = cfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public ops
+# ----------------------------------------------------------------------------------------------------------
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in tensors)  # fmt: skip
+
+
+def grouped_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
+    out_dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Forward / dgrad grouped GEMM: out [M, N], out[seg g] = a[seg g]·b[g]ᵀ.
+
+    a [M, K] E4M3 with 1x128 scales [M, ceil(K/128)] (any strides); b [G, N, K] E4M3 with 128x128 scales
+    [G, ceil(N/128), ceil(K/128)] (any strides, e.g. the transposed view `fp8_transpose_128x128` returns).
+    Rows outside the segments are left unwritten (zero in the reference)."""
+    m, k = a.shape
+    g, n, k2 = b.shape
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        raise TypeError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if k != k2 or g != rows.num_groups:
+        raise ValueError(f"a [M={m}, K={k}] and b [G={g}, N={n}, K={k2}] do not fit {rows.num_groups} segments")
+    _check_rows(rows, m, "a")
+    if not use_triton(a, backend):
+        return grouped_gemm_ref(a, a_scale, b, b_scale, rows, out_dtype)
+    cfg = _config()
+    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if m == 0 or n == 0 or k == 0:
+        return c.zero_()
+    tiles = rows.block_offsets(cfg.block_m)
+    max_tiles = rows.max_blocks(cfg.block_m) * cdiv(n, cfg.block_n)
+    progs = max(1, min(max_tiles, _num_sms(a.device) * cfg.programs_per_sm))
+    tma = cfg.tma and _tma_ok(a, b)
+    a_desc = b_desc = a
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b2 = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
+        b_desc = TensorDescriptor.from_tensor(b2.view(g * n, k), [cfg.block_n, BLOCK])
+    _grouped_gemm_kernel[(progs,)](
+        a, a_desc, b, b_desc, c, a_scale, b_scale, rows.offsets, tiles, m, n, k, g,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
+        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+def grouped_gemm_wgrad(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
+    out_dtype: torch.dtype = torch.float32, *, backend: str | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Wgrad grouped GEMM: out [G, N, K], out[g] = a[:, seg g]·b[:, seg g]ᵀ (the sum over expert g's tokens).
+
+    a [N, M] and b [K, M] E4M3 quantized 1x128 along the token dim per segment (`quantize_tokens_grouped`),
+    scales [N, max_blocks] and [K, max_blocks]. Empty segments give zero matrices."""
+    n, m = a.shape
+    k, m2 = b.shape
+    if a.dtype != E4M3 or b.dtype != E4M3:
+        raise TypeError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if m != m2:
+        raise ValueError(f"a [N={n}, M={m}] and b [K={k}, M={m2}] must share the token dim")
+    _check_rows(rows, m, "a")
+    if not use_triton(a, backend):
+        return grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
+    cfg = _config()
+    g = rows.num_groups
+    c = torch.empty(g, n, k, device=a.device, dtype=out_dtype)
+    if c.numel() == 0:
+        return c
+    tiles = g * cdiv(n, cfg.wgrad_block_n) * cdiv(k, cfg.wgrad_block_k)
+    progs = max(1, min(tiles, _num_sms(a.device) * cfg.programs_per_sm))
+    _grouped_wgrad_kernel[(progs,)](
+        a, b, c, a_scale, b_scale, rows.offsets, rows.block_offsets(), n, k, g,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        BLOCK_N=cfg.wgrad_block_n, BLOCK_K=cfg.wgrad_block_k, NUM_PROGRAMS=progs, ALIGNED=rows.alignment % 16 == 0,
+        num_warps=cfg.wgrad_warps, num_stages=cfg.wgrad_stages,
+    )  # fmt: skip
+    return c
+
+
+def quantize_rows_gathered(
+    x: torch.Tensor, row_idx: torch.Tensor, rows: GroupedRows | None = None, pow2_scales: bool = False,
+    *, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """1x128 quantization along K of x[row_idx] (zero rows where row_idx < 0) without the gathered copy.
+
+    x [T, K] float, row_idx int32 [M] → (E4M3 [M, K], fp32 scale [M, ceil(K/128)] with the row index fastest).
+    With `rows`, rows from rows.total on are left unwritten (the reference writes zeros)."""
+    if not use_triton(x, backend):
+        return quantize_1x128_ref(_gathered(x, row_idx), pow2_scales)
+    return _launch_rows(x, pow2_scales, row_idx=row_idx, total=rows.total if rows is not None else None)
+
+
+def quantize_tokens_grouped(
+    x: torch.Tensor, rows: GroupedRows, row_idx: torch.Tensor | None = None, pow2_scales: bool = False,
+    *, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """1x128 quantization along the token dim, blocks restarting at every segment start (wgrad operands).
+
+    x [M, K] (or [T, K] gathered through row_idx int32 [M], zero where < 0) → (E4M3 [K, M], fp32 scale
+    [K, rows.max_blocks()] with the row index fastest); segment g's blocks are columns
+    rows.block_offsets()[g] : [g + 1] of the scale. Columns of unused rows are left unwritten."""
+    if not use_triton(x, backend):
+        return quantize_tokens_grouped_ref(x, rows, row_idx, pow2_scales)
+    k = x.shape[1]
+    return _launch_tokens_grouped(x, None, row_idx, None, rows, k, 0, pow2_scales)
+
+
+def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prologue: int, pow2: bool):
+    from fp8.quant import QUANT_OPTIONS
+
+    m = rows.num_rows
+    qt = torch.empty(k, m, device=x.device, dtype=E4M3)
+    nb = rows.max_blocks()
+    st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
+    if m and k:
+        bf = QUANT_OPTIONS["col_block_f"]
+        dummy = st
+        xs_ = xs if xs is not None else dummy
+        _quant_tokens_grouped_kernel[(nb, cdiv(k, bf))](
+            x, xs_, row_idx if row_idx is not None else dummy, gate if gate is not None else dummy, qt, st,
+            rows.offsets, rows.block_offsets(), k, rows.num_groups,
+            x.stride(0), x.stride(1), xs_.stride(0), xs_.stride(1), qt.stride(0), qt.stride(1), st.stride(0),
+            st.stride(1),
+            BLOCK_F=bf, PROLOGUE=prologue, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0,
+            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=QUANT_OPTIONS["col_warps"],
+        )  # fmt: skip
+    return qt, st
+
+
+def swiglu_quantize(
+    h: torch.Tensor, row_gate: torch.Tensor, rows: GroupedRows, save_h: bool = True, pow2_scales: bool = False,
+    *, backend: str | None = None,
+):  # fmt: skip
+    """h [M, 2I] (gate | up) → a = silu(h_gate)·h_up·row_gate quantized 1x128 (a_q [M, I], a_s), and with save_h
+    h_q, h_s = quantize_1x128(h) for backward (else None, None). I must be a multiple of 128."""
+    m, two_i = h.shape
+    inter = two_i // 2
+    if two_i % 256:
+        raise ValueError(f"the SwiGLU input must have 2·I columns with I a multiple of 128, got {two_i}")
+    if not use_triton(h, backend):
+        a_q, a_s, h_q, h_s = swiglu_quantize_ref(h, row_gate, pow2_scales)
+        return (a_q, a_s, h_q, h_s) if save_h else (a_q, a_s, None, None)
+    a_q = torch.empty(m, inter, device=h.device, dtype=E4M3)
+    a_s = torch.empty(inter // BLOCK, m, device=h.device, dtype=torch.float32).t()
+    h_q = torch.empty(m, two_i, device=h.device, dtype=E4M3) if save_h else a_q
+    h_s = torch.empty(two_i // BLOCK, m, device=h.device, dtype=torch.float32).t() if save_h else a_s
+    bm = 64
+    _swiglu_quant_kernel[(cdiv(m, bm), inter // BLOCK)](
+        h, row_gate, a_q, a_s, h_q, h_s, rows.total, m, inter,
+        h.stride(0), h.stride(1), a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
+        h_q.stride(0), h_q.stride(1), h_s.stride(0), h_s.stride(1),
+        BLOCK_M=bm, SAVE_H=save_h, POW2=pow2_scales, num_warps=4,
+    )  # fmt: skip
+    return (a_q, a_s, h_q, h_s) if save_h else (a_q, a_s, None, None)
+
+
+def swiglu_quantize_tokens(
+    h_q: torch.Tensor, h_s: torch.Tensor, row_gate: torch.Tensor, rows: GroupedRows, pow2_scales: bool = False,
+    *, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """aᵀ for the down projection's wgrad, recomputed from the FP8 SwiGLU input: a = silu·up·gate (fp32) of
+    dequantized h, quantized along tokens per segment → (E4M3 [I, M], scale [I, max_blocks])."""
+    inter = h_q.shape[1] // 2
+    if not use_triton(h_q, backend):
+        h = dequantize_1x128(h_q, h_s)
+        a = _silu(h[:, :inter]) * h[:, inter:] * row_gate.float()[:, None]
+        return quantize_tokens_grouped_ref(a, rows, None, pow2_scales)
+    return _launch_tokens_grouped(h_q, h_s, None, row_gate, rows, inter, 2, pow2_scales)
+
+
+def swiglu_backward(
+    h_q: torch.Tensor, h_s: torch.Tensor, da: torch.Tensor, row_gate: torch.Tensor, rows: GroupedRows,
+    pow2_scales: bool = False, *, backend: str | None = None,
+):  # fmt: skip
+    """SwiGLU backward from the FP8 input h [M, 2I] and da = d(gate·a) [M, I]: (dh [M, 2I] in da's dtype,
+    dh_q, dh_s = quantize_1x128(dh), d_gate fp32 [M])."""
+    m, two_i = h_q.shape
+    inter = two_i // 2
+    if not use_triton(h_q, backend):
+        return swiglu_backward_ref(h_q, h_s, da, row_gate, pow2_scales)
+    dh = torch.empty(m, two_i, device=da.device, dtype=da.dtype)
+    dh_q = torch.empty(m, two_i, device=da.device, dtype=E4M3)
+    dh_s = torch.empty(two_i // BLOCK, m, device=da.device, dtype=torch.float32).t()
+    d_gate = torch.empty(m, device=da.device, dtype=torch.float32)
+    bm = 32
+    _swiglu_bwd_kernel[(cdiv(m, bm),)](
+        h_q, h_s, da, row_gate, dh, dh_q, dh_s, d_gate, rows.total, m, inter,
+        h_q.stride(0), h_q.stride(1), h_s.stride(0), h_s.stride(1), da.stride(0), da.stride(1),
+        dh.stride(0), dh.stride(1), dh_q.stride(0), dh_q.stride(1), dh_s.stride(0), dh_s.stride(1),
+        BLOCK_M=bm, POW2=pow2_scales, num_warps=4,
+    )  # fmt: skip
+    return dh, dh_q, dh_s, d_gate
+
+
+def gather_rows(x: torch.Tensor, row_idx: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """out [M, H] = x[row_idx] with zero rows where row_idx < 0 (the dispatch permutation)."""
+    if not use_triton(x, backend):
+        return _gathered(x, row_idx)
+    r, h = row_idx.shape[0], x.shape[1]
+    out = torch.empty(r, h, device=x.device, dtype=x.dtype)
+    if r and h:
+        _gather_rows_kernel[(cdiv(r, 32), cdiv(h, 256))](
+            x, row_idx, out, r, h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), BLOCK_R=32, BLOCK_H=256,
+        )  # fmt: skip
+    return out
+
+
+def sum_rows(y: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+             backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """out [T, H] = Σ_j y[pos[t, j]] (pos int32 [T, k]), summed in fp32 in slot order, cast to out_dtype (the
+    combine; also the adjoint of `gather_rows`). Deterministic: no atomics."""
+    out_dtype = out_dtype or y.dtype
+    if not use_triton(y, backend):
+        idx = pos.long()
+        acc = y[idx[:, 0]].float()
+        for j in range(1, idx.shape[1]):  # slot order, as the kernel sums
+            acc += y[idx[:, j]].float()
+        return acc.to(out_dtype)
+    t, k = pos.shape
+    h = y.shape[1]
+    out = torch.empty(t, h, device=y.device, dtype=out_dtype)
+    if t and h:
+        pos = pos.contiguous()
+        _sum_rows_kernel[(cdiv(t, 16), cdiv(h, 256))](
+            y, pos, out, t, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1), TOPK=k, BLOCK_T=16,
+            BLOCK_H=256,
+        )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FP8 grouped experts (SwiGLU MLPs) with gathered input, gated output and the combine
+# ----------------------------------------------------------------------------------------------------------
+class _FP8GroupedExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weight, w_gate_up, w_down, wq, route, pow2: bool, need_grad: bool):
+        """x [T, H] (unpermuted tokens), topk_weight [T, k] → routed [T, H] = Σ_j gate·expert(x) in x's dtype.
+        need_grad: a backward will follow (grad mode was on at the call; inside forward it is always off)."""
+        row_src, pos, rows = route
+        gu_q, gu_s, d_q, d_s = wq
+        m = rows.num_rows
+        row_gate = torch.zeros(m, device=x.device, dtype=torch.float32)
+        row_gate.scatter_(0, pos.reshape(-1).long(), topk_weight.reshape(-1).float())
+        need_wgrad = need_grad and (w_gate_up.requires_grad or w_down.requires_grad)
+        x_q, x_s = quantize_rows_gathered(x, row_src, rows, pow2)
+        xt = quantize_tokens_grouped(x, rows, row_src, pow2) if need_wgrad else (None, None)
+        h = grouped_gemm(x_q, x_s, gu_q, gu_s, rows, out_dtype=x.dtype)
+        del x_q, x_s
+        a_q, a_s, h_q, h_s = swiglu_quantize(h, row_gate, rows, save_h=need_grad, pow2_scales=pow2)
+        del h
+        y = grouped_gemm(a_q, a_s, d_q, d_s, rows, out_dtype=x.dtype)
+        out = sum_rows(y, pos, out_dtype=x.dtype)
+        ctx.save_for_backward(*xt, h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos)
+        ctx.rows, ctx.pow2, ctx.need_wgrad = rows, pow2, need_wgrad
+        ctx.dtypes = (x.dtype, topk_weight.dtype, w_gate_up.dtype, w_down.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        xt_q, xt_s, h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos = ctx.saved_tensors
+        rows, pow2 = ctx.rows, ctx.pow2
+        x_dtype, w_dtype, gu_dtype, d_dtype = ctx.dtypes
+        dout = dout.contiguous()
+        # dy_perm[r] = dout[row_src[r]]: the combine's adjoint, fused into both quantizations of dy
+        dy_q, dy_s = quantize_rows_gathered(dout, row_src, rows, pow2)
+        dwt_q, dwt_s = fp8_transpose_128x128(d_q, d_s)  # [E, I, H], on demand, freed below
+        da = grouped_gemm(dy_q, dy_s, dwt_q, dwt_s, rows, out_dtype=x_dtype)
+        del dy_q, dy_s, dwt_q, dwt_s
+        dh, dh_q, dh_s, d_gate = swiglu_backward(h_q, h_s, da, row_gate, rows, pow2)
+        del da
+        dw_gu = dw_d = None
+        if ctx.need_wgrad:
+            dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
+            at_q, at_s = swiglu_quantize_tokens(h_q, h_s, row_gate, rows, pow2)
+            dw_d = grouped_gemm_wgrad(dyt_q, dyt_s, at_q, at_s, rows, out_dtype=d_dtype)
+            del dyt_q, dyt_s, at_q, at_s
+            dht_q, dht_s = quantize_tokens_grouped(dh, rows, None, pow2)
+            dw_gu = grouped_gemm_wgrad(dht_q, dht_s, xt_q, xt_s, rows, out_dtype=gu_dtype)
+            del dht_q, dht_s
+        del dh
+        gwt_q, gwt_s = fp8_transpose_128x128(gu_q, gu_s)  # [E, H, 2I]
+        dx_perm = grouped_gemm(dh_q, dh_s, gwt_q, gwt_s, rows, out_dtype=x_dtype)
+        del gwt_q, gwt_s, dh_q, dh_s
+        dx = sum_rows(dx_perm, pos, out_dtype=x_dtype)
+        d_topk = d_gate[pos.long()].to(w_dtype)
+        return dx, d_topk, dw_gu, dw_d, None, None, None, None
+
+
+def fp8_grouped_experts(
+    x: torch.Tensor,
+    topk_weight: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    quantized_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    row_src: torch.Tensor,
+    pos: torch.Tensor,
+    rows: GroupedRows,
+    pow2_scales: bool = False,
+) -> torch.Tensor:
+    """Routed SwiGLU experts in blockwise FP8, combine included: out[t] = Σ_j w[t, j]·expert_e(x[t]).
+
+    x [T, H] tokens in routing order (not permuted); topk_weight [T, k] gates; w_gate_up [E, 2I, H] (rows
+    gate | up) and w_down [E, H, I] the parameters (gradients flow to them); quantized_weights = their
+    128x128 FP8 forms (gu_q, gu_s, d_q, d_s) from a cache; row_src int32 [M] token of each expert-sorted row
+    (-1: a pad row, zero input, or unused); pos int32 [T, k] the row of each (token, slot); rows the segments.
+    Returns [T, H] in x's dtype (fp32 sums)."""
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dim() != 3 or any(d % BLOCK for d in w.shape[1:]):
+            raise ValueError(f"{name} must be [E, N, K] with N and K multiples of 128, got {tuple(w.shape)}")
+    route = (row_src, pos, rows)
+    need_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weight, w_gate_up, w_down)
+    )
+    return _FP8GroupedExpertsFn.apply(x, topk_weight, w_gate_up, w_down, quantized_weights, route, pow2_scales,
+                                      need_grad)  # fmt: skip
+
+
+def quantize_expert_weights(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] (N, K multiples of 128) → E4M3 [E, N, K], scales [E, N/128, K/128]."""
+    from fp8.quant import quantize_128x128
+
+    e, n, k = w.shape
+    q, s = quantize_128x128(w.reshape(e * n, k), pow2_scales)  # blocks never straddle two experts
+    return q.view(e, n, k), s.view(e, n // BLOCK, cdiv(k, BLOCK))
+
+
+__all__ += ["quantize_expert_weights", "swiglu_quantize_tokens", "set_grouped_config"]
