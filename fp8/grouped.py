@@ -303,24 +303,35 @@ if HAS_TRITON:
             seg_hi = tl.load(offs_ptr + g + 1)
             blk0 = tl.load(blk_ptr + g)
             nblk = tl.load(blk_ptr + g + 1) - blk0
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-            offs_an = tl.minimum(offs_n, N - 1).to(tl.int64)
-            offs_bk = tl.minimum(offs_k, K - 1).to(tl.int64)
+            n0 = pid_n * BLOCK_N
+            k0 = pid_k * BLOCK_K
+            # 64-bit scalar bases, 32-bit offsets inside a tile (64-bit pointer tensors would cost registers)
+            a_base = a_ptr + n0.to(tl.int64) * stride_an
+            b_base = b_ptr + k0.to(tl.int64) * stride_bk
+            rn = tl.arange(0, BLOCK_N)
+            rk = tl.arange(0, BLOCK_K)
+            rt = tl.arange(0, 128)
+            n_ld = tl.minimum(rn, N - 1 - n0)  # clamp tail rows onto valid ones (never stored)
+            k_ld = tl.minimum(rk, K - 1 - k0)
+            a_off = n_ld[:, None] * stride_an + rt[None, :] * stride_am
+            b_off = k_ld[:, None] * stride_bk + rt[None, :] * stride_bm
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for j in tl.range(0, nblk):
                 t0 = seg_lo + j * 128
-                if ALIGNED:
+                left = seg_hi - t0  # tokens of this segment from t0 on
+                if ALIGNED:  # 16-aligned segments: 16-byte loads, masks constant over 16 tokens
                     t0 = tl.multiple_of(t0, 16)
-                toks = t0 + tl.arange(0, 128)
-                t_ok = (toks < seg_hi)[None, :]
-                a = tl.load(a_ptr + offs_an[:, None] * stride_an + toks[None, :] * stride_am, mask=t_ok, other=0.0)
-                b = tl.load(b_ptr + offs_bk[:, None] * stride_bk + toks[None, :] * stride_bm, mask=t_ok, other=0.0)
-                sa = tl.load(as_ptr + offs_an * stride_asn + (blk0 + j) * stride_asb)
-                sb = tl.load(bs_ptr + offs_bk * stride_bsk + (blk0 + j) * stride_bsb)
+                    left = tl.multiple_of(left, 16)
+                t_ok = (rt < left)[None, :]
+                a = tl.load(a_base + t0 * stride_am + a_off, mask=t_ok, other=0.0)
+                b = tl.load(b_base + t0 * stride_bm + b_off, mask=t_ok, other=0.0)
+                sa = tl.load(as_ptr + (n0 + n_ld) * stride_asn + (blk0 + j) * stride_asb)
+                sb = tl.load(bs_ptr + (k0 + k_ld) * stride_bsk + (blk0 + j) * stride_bsb)
                 acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
-            c_ptrs = c_ptr + g.to(tl.int64) * stride_cg + offs_n[:, None] * stride_cn + offs_k[None, :] * stride_ck
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+            c_base = c_ptr + g.to(tl.int64) * stride_cg + n0.to(tl.int64) * stride_cn + k0 * stride_ck
+            c_mask = (rn < N - n0)[:, None] & (rk < K - k0)[None, :]
+            tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck, acc.to(c_ptr.dtype.element_ty),
+                     mask=c_mask)  # fmt: skip
 
     @triton.jit
     def _quant_tokens_grouped_kernel(
@@ -853,6 +864,8 @@ def quantize_expert_weights(w: torch.Tensor, pow2_scales: bool = False) -> tuple
     """Stacked expert weights [E, N, K] (N, K multiples of 128) → E4M3 [E, N, K], scales [E, N/128, K/128]."""
     from fp8.quant import quantize_128x128
 
+    if w.dim() != 3 or w.shape[1] % BLOCK or w.shape[2] % BLOCK:
+        raise ValueError(f"expert weights must be [E, N, K] with N and K multiples of 128, got {tuple(w.shape)}")
     e, n, k = w.shape
     q, s = quantize_128x128(w.reshape(e * n, k), pow2_scales)  # blocks never straddle two experts
     return q.view(e, n, k), s.view(e, n // BLOCK, cdiv(k, BLOCK))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels
 # (fill .whl first with `bash ../shared/tools/gpu_wheels.sh torchao==0.17.0`), run every `gpu` test, then
-# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam]
-# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM time limits, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, WITH_PEERS=1)
+# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe]
+# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE time limits, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS,
+# TEST_FILES (default tests/), WITH_PEERS=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -17,11 +18,12 @@ steps=${*:-tests train}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 for s in $steps; do
   case $s in
-    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -n "${XDIST:-4}" -p no:cacheprovider tests/ 2>&1 \
+    tests) timeout "${T_TESTS:-200}" python3 -m pytest -q -m gpu -n "${XDIST:-4}" -p no:cacheprovider -rP ${TEST_FILES:-tests/} 2>&1 \
              | tee "$OUT/gpu_tests.log" | tail -25 ;;
     train) timeout "${T_TRAIN:-300}" python3 bench/bench_train.py ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/bench_train.log" | tail -30 ;;
     linear) timeout "${T_LINEAR:-200}" python3 bench/bench_fp8_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
              | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
+    moe) timeout "${T_MOE:-300}" python3 bench/bench_moe.py --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe.log" | tail -60 ;;
     adam) timeout "${T_ADAM:-150}" python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
   esac
 done

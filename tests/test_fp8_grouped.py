@@ -1,0 +1,200 @@
+"""Grouped blockwise FP8 GEMMs and their quantizers (fp8/grouped.py) against float64 products of the
+dequantized operands and bit-exact against the PyTorch references. Segments of random sizes, empty ones and
+ones shorter than the alignment included, with and without 16-alignment. On CPU the Triton kernels run in
+the interpreter; the `gpu` variants run the compiled kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8.grouped import (
+    GroupedRows,
+    gather_rows,
+    grouped_gemm,
+    grouped_gemm_wgrad,
+    quantize_expert_weights,
+    quantize_rows_gathered,
+    quantize_tokens_grouped,
+    quantize_tokens_grouped_ref,
+    sum_rows,
+    swiglu_backward,
+    swiglu_backward_ref,
+    swiglu_quantize,
+    swiglu_quantize_ref,
+    swiglu_quantize_tokens,
+)
+from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
+from tests.test_fp8_quant import DEVICES, bits_equal, setup_device
+
+# segment lengths: empty experts, segments shorter than 16 and than a tile, one longer than two 128-row tiles
+LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
+# Tolerances, ‖out − ref‖ / ‖ref‖ against float64 of the dequantized operands: exact up to fp32 accumulation
+# and the output rounding (bf16: 8 significant bits → ~1.1e-3 rms → 4e-3 bound; fp32: 1e-5). On the GPU the
+# FP8 tensor cores accumulate each 128-deep block with ~14 significant bits: 5e-4 for fp32 outputs.
+TOL = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
+TOL_GPU = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm())
+
+
+def layout(lengths: list[int], alignment: int, device: str) -> tuple[GroupedRows, list[tuple[int, int]]]:
+    """Segments of the given data lengths, each rounded up to `alignment` with zero rows, plus unused rows."""
+    padded = [-(-n // alignment) * alignment for n in lengths]
+    offsets = torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
+    num_rows = int(offsets[-1]) + 40  # unused rows at the end, as the dispatch allocates them
+    rows = GroupedRows(offsets.to(device), num_rows, alignment,
+                       data_lengths=torch.tensor(lengths, device=device))  # fmt: skip
+    return rows, [(int(offsets[g]), int(offsets[g]) + n) for g, n in enumerate(lengths)]
+
+
+def data_rows(segments, num_rows: int, width: int, device: str, scale: float = 1.0) -> torch.Tensor:
+    """Random rows where a segment has data, zero rows elsewhere (pad rows and unused rows)."""
+    x = torch.zeros(num_rows, width)
+    for lo, hi in segments:
+        x[lo:hi] = torch.randn(hi - lo, width) * scale
+    return x.to(device)
+
+
+def used(t: torch.Tensor, rows: GroupedRows, dim: int = 0) -> torch.Tensor:
+    return t.narrow(dim, 0, int(rows.offsets[-1])).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alignment", [1, 16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_grouped_forward_and_dgrad_match_float64(device, alignment, out_dtype, request):
+    setup_device(device, request)
+    torch.manual_seed(0)
+    rows, segs = layout(LENGTHS, alignment, device)
+    g, n, k = len(LENGTHS), 256, 384
+    x_q, x_s = quantize_1x128(data_rows(segs, rows.num_rows, k, device, 2.0), backend="triton")
+    w_q, w_s = quantize_expert_weights((torch.randn(g, n, k) * 0.02).to(device))
+    out = grouped_gemm(x_q, x_s, w_q, w_s, rows, out_dtype=out_dtype, backend="triton")
+    xd = dequantize_1x128(x_q.cpu(), x_s.cpu(), torch.float64)
+    ref = torch.zeros(rows.num_rows, n, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(segs):
+        ref[lo:hi] = xd[lo:hi] @ dequantize_128x128(w_q[e].cpu(), w_s[e].cpu(), torch.float64).t()
+    tol = (TOL_GPU if device == "cuda" else TOL)[out_dtype]
+    assert out.dtype == out_dtype
+    for lo, hi in segs:  # every segment by itself (an unwritten one would hold garbage)
+        if hi > lo:
+            assert rel(out[lo:hi], ref[lo:hi]) < tol
+    padded = used(out, rows).float()[used(ref, rows).abs().sum(1) == 0]
+    assert torch.equal(padded, torch.zeros_like(padded))  # pad rows come out exactly 0
+    ref_path = grouped_gemm(x_q.cpu(), x_s.cpu(), w_q.cpu(), w_s.cpu(), _cpu(rows), out_dtype, backend="torch")
+    assert rel(used(ref_path, rows), used(ref, rows)) < TOL[out_dtype]
+    # dgrad: the on-demand transposed weights, whose scales are a strided view
+    dy_q, dy_s = quantize_1x128(data_rows(segs, rows.num_rows, n, device), backend="triton")
+    wt_q, wt_s = fp8_transpose_128x128(w_q, w_s)
+    dx = grouped_gemm(dy_q, dy_s, wt_q, wt_s, rows, out_dtype=torch.float32, backend="triton")
+    dyd = dequantize_1x128(dy_q.cpu(), dy_s.cpu(), torch.float64)
+    ref_dx = torch.zeros(rows.num_rows, k, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(segs):
+        ref_dx[lo:hi] = dyd[lo:hi] @ dequantize_128x128(w_q[e].cpu(), w_s[e].cpu(), torch.float64)
+    assert rel(used(dx, rows), used(ref_dx, rows)) < (TOL_GPU if device == "cuda" else TOL)[torch.float32]
+
+
+def _cpu(rows: GroupedRows) -> GroupedRows:
+    return GroupedRows(rows.offsets.cpu(), rows.num_rows, rows.alignment, rows.data_lengths.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_grouped_wgrad_matches_float64_with_blocks_restarting_per_segment(device, alignment, request):
+    setup_device(device, request)
+    torch.manual_seed(1)
+    rows, segs = layout(LENGTHS, alignment, device)
+    n, k = 256, 128
+    dy = data_rows(segs, rows.num_rows, n, device)
+    x = data_rows(segs, rows.num_rows, k, device, 3.0)
+    dyt_q, dyt_s = quantize_tokens_grouped(dy, rows, backend="triton")
+    xt_q, xt_s = quantize_tokens_grouped(x, rows, backend="triton")
+    dw = grouped_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, rows, out_dtype=torch.float32, backend="triton")
+    blocks = rows.block_offsets().tolist()
+    for e, (lo, hi) in enumerate(segs):
+        if hi == lo:
+            assert torch.equal(dw[e].cpu(), torch.zeros(n, k))  # an empty expert gets an exact zero gradient
+            continue
+        nb = -(-(hi - lo) // 128)
+        sa, sb = dyt_s[:, blocks[e]:blocks[e] + nb].cpu(), xt_s[:, blocks[e]:blocks[e] + nb].cpu()
+        a = dequantize_1x128(dyt_q[:, lo:hi].cpu(), sa, torch.float64)
+        b = dequantize_1x128(xt_q[:, lo:hi].cpu(), sb, torch.float64)
+        assert rel(dw[e], a @ b.t()) < (TOL_GPU if device == "cuda" else TOL)[torch.float32]
+        # the scale blocks restart at the segment start: they equal a fresh quantization of the segment alone
+        q_ref, s_ref = quantize_1x128(dy[lo:hi].t().cpu().contiguous(), backend="torch")
+        assert bits_equal(dyt_q[:, lo:hi], q_ref) and torch.equal(sa, s_ref.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, request):
+    setup_device(device, request)
+    torch.manual_seed(2)
+    rows, segs = layout(LENGTHS, alignment, device)
+    tokens = torch.randn(300, 256, device=device).to(torch.bfloat16)
+    row_src = torch.full((rows.num_rows,), -1, dtype=torch.int32)
+    for lo, hi in segs:
+        row_src[lo:hi] = torch.randint(0, 300, (hi - lo,), dtype=torch.int32)
+    row_src = row_src.to(device)
+    q, s = quantize_rows_gathered(tokens, row_src, rows, backend="triton")
+    q_ref, s_ref = quantize_rows_gathered(tokens.cpu(), row_src.cpu(), backend="torch")
+    assert bits_equal(used(q, rows), used(q_ref, rows)) and torch.equal(used(s, rows), used(s_ref, rows))
+    qt, st = quantize_tokens_grouped(tokens, rows, row_src, backend="triton")
+    qt_ref, st_ref = quantize_tokens_grouped_ref(tokens.cpu(), _cpu(rows), row_src.cpu())
+    nb = int(rows.block_offsets()[-1])
+    assert bits_equal(used(qt, rows, 1), used(qt_ref, rows, 1))
+    assert torch.equal(st[:, :nb].cpu(), st_ref[:, :nb])
+    # the gather itself, and its adjoint the ordered sum, exactly
+    gathered = gather_rows(tokens, row_src, backend="triton")
+    assert torch.equal(gathered.cpu(), gather_rows(tokens.cpu(), row_src.cpu(), backend="torch"))
+    pos = torch.randint(0, int(rows.offsets[-1]), (50, 4), dtype=torch.int32, device=device)
+    summed = sum_rows(gathered, pos, out_dtype=torch.float32, backend="triton")
+    expected = sum(gathered.cpu().float()[pos.cpu().long()[:, j]] for j in range(4))
+    assert torch.equal(summed.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_swiglu_quantize_and_backward_match_the_reference(device, request):
+    setup_device(device, request)
+    torch.manual_seed(3)
+    rows, segs = layout(LENGTHS, 16, device)
+    inter = 256
+    h = data_rows(segs, rows.num_rows, 2 * inter, device, 2.0).to(torch.bfloat16)
+    gate = data_rows(segs, rows.num_rows, 1, device)[:, 0].abs()
+    got = swiglu_quantize(h, gate, rows, backend="triton")
+    ref = swiglu_quantize_ref(h.cpu(), gate.cpu())
+    # h_q is a plain 1x128 quantization of h: bit-exact. a = silu·up·gate differs from torch's only through
+    # exp (ULPs), so an E4M3 code may sit on the other side of a rounding boundary: allow 1 in 1000 codes
+    assert bits_equal(used(got[2], rows), used(ref[2], rows)) and torch.equal(used(got[3], rows), used(ref[3], rows))
+    codes_differ = (used(got[0], rows).view(torch.uint8) != used(ref[0], rows).view(torch.uint8)).float().mean()
+    assert codes_differ < 1e-3
+    assert rel(used(got[1], rows), used(ref[1], rows)) < 1e-6
+    da = data_rows(segs, rows.num_rows, inter, device).to(torch.bfloat16)
+    dh, dh_q, dh_s, d_gate = swiglu_backward(got[2], got[3], da, gate, rows, backend="triton")
+    r_dh, r_dh_q, r_dh_s, r_gate = swiglu_backward_ref(got[2].cpu(), got[3].cpu(), da.cpu(), gate.cpu())
+    # dh is rounded to bf16: exp's ULPs flip a rare rounding; dh_q is quantized from that bf16 dh (as any bf16
+    # gradient is), so it equals the reference quantization of the kernel's own dh bit for bit
+    assert rel(used(dh, rows), used(r_dh, rows)) < 1e-3
+    q_own, s_own = quantize_1x128(used(dh, rows), backend="torch")
+    assert bits_equal(used(dh_q, rows), q_own) and torch.equal(used(dh_s, rows), s_own)
+    assert rel(used(d_gate, rows), used(r_gate, rows)) < 1e-5
+    # aᵀ recomputed from the FP8 h for the down projection's wgrad
+    at_q, at_s = swiglu_quantize_tokens(got[2], got[3], gate, rows, backend="triton")
+    rt_q, rt_s = swiglu_quantize_tokens(got[2].cpu(), got[3].cpu(), gate.cpu(), _cpu(rows), backend="torch")
+    assert (used(at_q, rows, 1).view(torch.uint8) != used(rt_q, rows, 1).view(torch.uint8)).float().mean() < 1e-3
+
+
+def test_bad_operands_name_the_problem():
+    rows = GroupedRows(torch.tensor([0, 3, 5], dtype=torch.int32), 8)
+    a = torch.zeros(8, 128, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(3, 128, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="do not fit 2 segments"):
+        grouped_gemm(a, torch.ones(8, 1), w, torch.ones(3, 1, 1), rows)
+    with pytest.raises(ValueError, match="num_rows=8"):
+        grouped_gemm(a[:6], torch.ones(6, 1), w[:2], torch.ones(2, 1, 1), rows)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_expert_weights(torch.zeros(2, 100, 128))
