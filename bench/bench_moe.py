@@ -162,6 +162,9 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
         g = torch.randn_like(x)
 
         def step(moe=moe, x=x, g=g):
+            for p in moe.parameters():  # as each micro-batch's own gradients: no accumulation kernels
+                p.grad = None
+            x.grad = None
             out, _ = moe(x)
             out.backward(g)
 
@@ -199,41 +202,64 @@ def padded_fraction(tokens: int, experts: int) -> dict:
 
 
 def sweep(tokens: int, experts: int) -> list[dict]:
-    """Every tile configuration of the forward (gate_up shape) and wgrad kernels; returns timings."""
-    idx, _ = routing(tokens, experts)
+    """Tile configurations of the forward/dgrad kernel on the three fprop shapes and of the wgrad kernel on both
+    wgrad shapes, and the row blocks of the SwiGLU kernels; returns timings (TFLOPS or ms)."""
+    idx, gates = routing(tokens, experts)
     plan = plan_dispatch(idx, experts, 16)
     rows = plan.rows
-    x = torch.randn(rows.num_rows, H, device="cuda", dtype=torch.bfloat16)
-    xq, xs = quantize_1x128(x)
-    wq, ws = G.quantize_expert_weights(torch.randn(experts, 2 * INTER, H, device="cuda", dtype=torch.bfloat16))
-    dyt = G.quantize_tokens_grouped(torch.randn(rows.num_rows, 2 * INTER, device="cuda", dtype=torch.bfloat16), rows)
-    xt = G.quantize_tokens_grouped(x, rows)
     m = tokens * TOPK
+    rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     out = []
-    fwd_tiles = [(64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3),
-                 (128, 256, 8, 3)]  # (block_m, block_n, warps, stages)
-    for (bm, bn, warps, stages), (tma, ws_) in itertools.product(fwd_tiles, [(True, False), (True, True),
-                                                                             (False, False)]):  # fmt: skip
-        cfg = G.GroupedGemmConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, warp_specialize=ws_,
-                                  tma=tma)  # fmt: skip
-        G.set_grouped_config(cfg)
+
+    def timed(kind, cfg, fn, flops):
         try:
-            ms = bench(lambda: G.grouped_gemm(xq, xs, wq, ws, rows), warmup=5, rep=20)
-            out.append({"kind": "fwd", "cfg": str(cfg), "tflops": 2 * m * 2 * INTER * H / ms / 1e9})
+            ms = bench(fn, warmup=5, rep=20)
+            out.append({"kind": kind, "cfg": cfg, "tflops": flops / ms / 1e9 if flops else None, "ms": ms})
         except Exception as err:
-            out.append({"kind": "fwd", "cfg": str(cfg), "error": str(err)[:200]})
-    wgrad_tiles = [(128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (128, 128, 8, 2, 2), (64, 128, 4, 3, 1),
-                   (64, 128, 4, 3, 2), (128, 64, 4, 3, 2), (64, 64, 4, 4, 2), (128, 256, 8, 2, 1)]
-    for bn, bk, warps, stages, ppsm in wgrad_tiles:
-        cfg = G.GroupedGemmConfig(wgrad_block_n=bn, wgrad_block_k=bk, wgrad_warps=warps, wgrad_stages=stages,
-                                  programs_per_sm=ppsm)  # fmt: skip
-        G.set_grouped_config(cfg)
-        try:
-            ms = bench(lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), warmup=5, rep=20)
-            out.append({"kind": "wgrad", "cfg": str(cfg), "tflops": 2 * m * 2 * INTER * H / ms / 1e9})
-        except Exception as err:
-            out.append({"kind": "wgrad", "cfg": str(cfg), "error": str(err)[:200]})
-    G.set_grouped_config(None)
+            out.append({"kind": kind, "cfg": cfg, "error": str(err)[:200]})
+
+    fprop_cases = []
+    for n, k in ((2 * INTER, H), (H, INTER), (H, 2 * INTER)):  # gate_up fwd, down fwd, gate_up dgrad
+        xq, xs = quantize_1x128(rand(rows.num_rows, k))
+        wq, ws = G.quantize_expert_weights(rand(experts, n, k))
+        fprop_cases.append((n, k, xq, xs, wq, ws))
+    fwd_tiles = [(64, 128, 4, 4, 3), (64, 128, 4, 3, 3), (64, 128, 8, 4, 2), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
+                 (64, 256, 8, 3, 1), (128, 256, 8, 3, 1)]  # (block_m, block_n, warps, stages, programs per SM)
+    for (bm, bn, warps, stages, ppsm), (tma, ws_) in itertools.product(fwd_tiles, [(True, False), (True, True),
+                                                                                   (False, False)]):  # fmt: skip
+        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, ws_, ppsm)
+        for kind in ("fprop", "fprop_short_k"):
+            G.set_grouped_config(kind, cfg)
+        for n, k, xq, xs, wq, ws in fprop_cases:
+            timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
+    for kind in ("fprop", "fprop_short_k"):
+        G.set_grouped_config(kind, None)
+    wgrad_cases = []
+    for n, k in ((2 * INTER, H), (H, INTER)):
+        wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),
+                            G.quantize_tokens_grouped(rand(rows.num_rows, k), rows)))  # fmt: skip
+    wgrad_tiles = [(128, 128, 8, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 3), (64, 128, 4, 3, 1000),
+                   (128, 64, 4, 3, 2), (64, 64, 4, 4, 4), (128, 128, 8, 3, 1000), (64, 128, 4, 4, 2)]
+    for bm, bn, warps, stages, ppsm in wgrad_tiles:
+        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, False, False, ppsm)
+        G.set_grouped_config("wgrad", cfg)
+        for n, k, dyt, xt in wgrad_cases:
+            timed(f"wgrad N={n} K={k}", str(cfg),
+                  lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
+    G.set_grouped_config("wgrad", None)
+    h = rand(rows.num_rows, 2 * INTER)
+    row_gate = torch.rand(rows.num_rows, device="cuda")
+    a_q, a_s, h_q, h_s = G.swiglu_quantize(h, row_gate, rows)
+    da = rand(rows.num_rows, INTER)
+    default = dict(G.GROUPED_OPTIONS)
+    for bm in (8, 16, 32, 64):
+        G.GROUPED_OPTIONS.update(swiglu_block_m=bm, swiglu_bwd_block_m=bm)
+        timed("swiglu fwd", f"block_m={bm}", lambda: G.swiglu_quantize(h, row_gate, rows), None)
+        timed("swiglu bwd", f"block_m={bm}", lambda: G.swiglu_backward(h_q, h_s, da, row_gate, rows), None)
+    G.GROUPED_OPTIONS.update(default)
+    x = rand(tokens, H)
+    timed("tokens quant (gathered x)", "default", lambda: G.quantize_tokens_grouped(x, rows, plan.row_src), None)
+    timed("rows quant (gathered x)", "default", lambda: G.quantize_rows_gathered(x, plan.row_src, rows), None)
     return out
 
 
@@ -270,11 +296,10 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name()}
     if args.sweep:
         report["sweep"] = sweep(token_counts[-1], args.experts)
-        best = {}
-        for r in report["sweep"]:
-            if "tflops" in r and r["tflops"] > best.get(r["kind"], {}).get("tflops", 0):
-                best[r["kind"]] = r
-        print("sweep best:", json.dumps(best, indent=1), flush=True)
+        for kind in dict.fromkeys(r["kind"] for r in report["sweep"]):
+            ranked = sorted((r for r in report["sweep"] if r["kind"] == kind and "ms" in r), key=lambda r: r["ms"])
+            print(f"sweep {kind}:", *[f"  {r['ms']:.3f} ms {r['tflops'] or 0:.0f} TFLOPS {r['cfg']}" for r in ranked[:4]],
+                  sep="\n", flush=True)
     report["correctness"] = correctness(token_counts[0], args.experts)
     print("correctness:", report["correctness"], flush=True)
     report["padding"] = [padded_fraction(t, e) for t in token_counts for e in (args.experts, 64)]

@@ -352,12 +352,13 @@ if HAS_TRITON:
         if pid_b >= tl.load(blk_ptr + G):
             return
         g = _find_group(blk_ptr, pid_b, G, STEPS)
-        seg_hi = tl.load(offs_ptr + g + 1)
         row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
-        if ALIGNED:
+        left = tl.load(offs_ptr + g + 1) - row0  # rows of the segment from row0 on
+        if ALIGNED:  # 16-aligned segments: masks constant over 16 rows, so stores move 16 bytes
             row0 = tl.multiple_of(row0, 16)
+            left = tl.multiple_of(left, 16)
         rows = row0 + tl.arange(0, 128)
-        in_seg = rows < seg_hi
+        in_seg = tl.arange(0, 128) < left
         offs_k = pid_k * BLOCK_F + tl.arange(0, BLOCK_F)
         k_ok = offs_k < K
         if HAS_IDX:
@@ -504,8 +505,10 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GroupedGemmConfig:
-    """Tiles of the grouped GEMMs. Forward/dgrad: block_m x block_n output tiles (BLOCK_K = 128, the scale
-    block), TMA operand loads, optional warp specialization. Wgrad: block_n x block_k output tiles."""
+    """Tiles of one grouped GEMM kind. Forward/dgrad: block_m x block_n output tiles (BLOCK_K = 128, the scale
+    block), TMA operand loads, optional warp specialization of the K loop. Wgrad: block_m x block_n tiles of
+    dW [N, K] (block_m along N, block_n along K). programs_per_sm sets the persistent grid (min(tiles,
+    SMs · programs_per_sm) programs; a large value gives one program per tile)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -513,28 +516,38 @@ class GroupedGemmConfig:
     num_stages: int = 4
     tma: bool = True
     warp_specialize: bool = False
-    wgrad_block_n: int = 128
-    wgrad_block_k: int = 128
-    wgrad_warps: int = 8
-    wgrad_stages: int = 3
     programs_per_sm: int = 1
 
 
-GROUPED_CONFIG: dict[str, GroupedGemmConfig | None] = {"default": None}
+# Defaults per GEMM kind ("fprop" covers forward and dgrad; "fprop_short_k" those with K <= 1024, whose short
+# K loops leave the tile epilogue exposed unless several programs share an SM). Overridden by the
+# benchmark's sweep through `set_grouped_config`.
+GROUPED_CONFIGS: dict[str, GroupedGemmConfig] = {
+    "fprop": GroupedGemmConfig(),
+    "fprop_short_k": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, programs_per_sm=3),
+    "wgrad": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=False, programs_per_sm=2),
+}
+_INTERPRETER_CONFIG = GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False)
+# Launch options of the memory-bound grouped kernels (rows per program).
+GROUPED_OPTIONS: dict[str, int] = {"swiglu_block_m": 32, "swiglu_bwd_block_m": 16}
+_OVERRIDE: dict[str, GroupedGemmConfig | None] = {k: None for k in GROUPED_CONFIGS}
 
 
-def _config() -> GroupedGemmConfig:
-    if GROUPED_CONFIG["default"] is not None:
-        return GROUPED_CONFIG["default"]
+def _config(kind: str, k: int = 0) -> GroupedGemmConfig:
+    if kind == "fprop" and k <= 1024:
+        kind = "fprop_short_k"
+    if _OVERRIDE[kind] is not None:
+        return _OVERRIDE[kind]  # type: ignore[return-value]
     if os.environ.get("TRITON_INTERPRET") == "1":  # small tiles keep the CPU interpreter fast
-        return GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False,
-                                 wgrad_block_n=32, wgrad_block_k=32)  # fmt: skip
-    return GroupedGemmConfig()
+        return _INTERPRETER_CONFIG if kind == "wgrad" else GroupedGemmConfig(32, 128, 4, 2, tma=False)
+    return GROUPED_CONFIGS[kind]
 
 
-def set_grouped_config(cfg: GroupedGemmConfig | None) -> None:
-    """Force the grouped GEMMs' tile configuration (the benchmark's sweep); None restores the default."""
-    GROUPED_CONFIG["default"] = cfg
+def set_grouped_config(kind: str, cfg: GroupedGemmConfig | None) -> None:
+    """Force the tile configuration of `kind` in {"fprop", "fprop_short_k", "wgrad"}; None restores the default."""
+    if kind not in _OVERRIDE:
+        raise ValueError(f"kind must be one of {sorted(_OVERRIDE)}, got {kind!r}")
+    _OVERRIDE[kind] = cfg
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -563,7 +576,7 @@ def grouped_gemm(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config()
+    cfg = _config("fprop", k)
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0 or n == 0 or k == 0:
         return c.zero_()
@@ -605,19 +618,19 @@ def grouped_gemm_wgrad(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config()
+    cfg = _config("wgrad")
     g = rows.num_groups
     c = torch.empty(g, n, k, device=a.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
-    tiles = g * cdiv(n, cfg.wgrad_block_n) * cdiv(k, cfg.wgrad_block_k)
+    tiles = g * cdiv(n, cfg.block_m) * cdiv(k, cfg.block_n)
     progs = max(1, min(tiles, _num_sms(a.device) * cfg.programs_per_sm))
     _grouped_wgrad_kernel[(progs,)](
         a, b, c, a_scale, b_scale, rows.offsets, rows.block_offsets(), n, k, g,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        BLOCK_N=cfg.wgrad_block_n, BLOCK_K=cfg.wgrad_block_k, NUM_PROGRAMS=progs, ALIGNED=rows.alignment % 16 == 0,
-        num_warps=cfg.wgrad_warps, num_stages=cfg.wgrad_stages,
+        BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, ALIGNED=rows.alignment % 16 == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
@@ -689,7 +702,7 @@ def swiglu_quantize(
     a_s = torch.empty(inter // BLOCK, m, device=h.device, dtype=torch.float32).t()
     h_q = torch.empty(m, two_i, device=h.device, dtype=E4M3) if save_h else a_q
     h_s = torch.empty(two_i // BLOCK, m, device=h.device, dtype=torch.float32).t() if save_h else a_s
-    bm = 64
+    bm = GROUPED_OPTIONS["swiglu_block_m"]  # 64 rows spill registers (ptxas, sm_90)
     _swiglu_quant_kernel[(cdiv(m, bm), inter // BLOCK)](
         h, row_gate, a_q, a_s, h_q, h_s, rows.total, m, inter,
         h.stride(0), h.stride(1), a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
@@ -727,7 +740,7 @@ def swiglu_backward(
     dh_q = torch.empty(m, two_i, device=da.device, dtype=E4M3)
     dh_s = torch.empty(two_i // BLOCK, m, device=da.device, dtype=torch.float32).t()
     d_gate = torch.empty(m, device=da.device, dtype=torch.float32)
-    bm = 32
+    bm = GROUPED_OPTIONS["swiglu_bwd_block_m"]
     _swiglu_bwd_kernel[(cdiv(m, bm),)](
         h_q, h_s, da, row_gate, dh, dh_q, dh_s, d_gate, rows.total, m, inter,
         h_q.stride(0), h_q.stride(1), h_s.stride(0), h_s.stride(1), da.stride(0), da.stride(1),
