@@ -48,12 +48,16 @@ def test_mtp_loss_uses_shifted_labels():
     ids = torch.randint(0, 257, (2, 16))
     labels = torch.randint(0, 257, (2, 16))
     with torch.no_grad():
-        out = model(ids, labels=labels)
-    expected_mtp = F.cross_entropy(out.mtp_logits[0][:, :-1].reshape(-1, 257).float(), labels[:, 1:].reshape(-1))
-    expected_lm = F.cross_entropy(out.logits.reshape(-1, 257).float(), labels.reshape(-1))
-    torch.testing.assert_close(out.mtp_loss, expected_mtp)
-    torch.testing.assert_close(out.lm_loss, expected_lm)
-    torch.testing.assert_close(out.loss, out.lm_loss + 0.1 * out.mtp_loss + out.z_loss + out.aux_loss)
+        out = model(ids, labels=labels)  # fused chunked loss, no logits
+        with_logits = model(ids, labels=labels, return_logits=True)
+    assert out.logits is None and out.mtp_logits is None
+    expected_mtp = F.cross_entropy(with_logits.mtp_logits[0][:, :-1].reshape(-1, 257).float(),
+                                   labels[:, 1:].reshape(-1))
+    expected_lm = F.cross_entropy(with_logits.logits.reshape(-1, 257).float(), labels.reshape(-1))
+    for o in (out, with_logits):  # fp32: the fused loss differs from CE over logits by summation order only
+        torch.testing.assert_close(o.mtp_loss, expected_mtp, rtol=1e-6, atol=0)
+        torch.testing.assert_close(o.lm_loss, expected_lm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(o.loss, o.lm_loss + 0.1 * o.mtp_loss + o.z_loss + o.aux_loss)
 
 
 def test_without_mtp_loss_is_plain_next_token_ce():
@@ -63,10 +67,12 @@ def test_without_mtp_loss_is_plain_next_token_ce():
     labels = torch.randint(0, 257, (2, 16))
     labels[0, :3] = IGNORE_INDEX
     with torch.no_grad():
-        out = model(ids, labels=labels)
+        out = model(ids, labels=labels, return_logits=True)
+        fused = model(ids, labels=labels)
     assert out.mtp_logits == [] and out.mtp_loss is None
     expected = F.cross_entropy(out.logits.reshape(-1, 257).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
-    assert torch.equal(out.loss, expected)
+    assert torch.equal(out.loss, expected)  # CE over returned logits: F.cross_entropy's mean bit for bit
+    torch.testing.assert_close(fused.loss, expected, rtol=1e-6, atol=0)
 
 
 def test_doc_ids_mask_attention_across_documents():
