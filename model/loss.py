@@ -3,6 +3,8 @@ that never holds more than one [chunk, vocab] block of logits (forward and backw
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,14 +71,28 @@ def _chunk_grad_fn(compiled: bool):
     return _compiled_grad
 
 
+@functools.cache
+def _mixed_addmm_in_place(device: torch.device) -> bool:
+    """Whether `torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=fp32, out=acc)` runs here (cuBLAS with an fp32
+    C read and written in place; newer torch versions on CUDA only)."""
+    acc = torch.zeros(2, 2, device=device)
+    a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((acc == 2).all())
+
+
 def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
     """acc fp32 [V, H] += grad_logitsᵀ [V, c] · h [c, H], the product accumulated in fp32."""
     if grad_logits.dtype == acc.dtype:
         acc.addmm_(grad_logits.t(), h)
-    elif acc.is_cuda:  # cuBLAS: low-precision operands, fp32 C read and written in place (torch >= 2.8)
+    elif _mixed_addmm_in_place(acc.device):
         torch.addmm(acc, grad_logits.t(), h, out_dtype=acc.dtype, out=acc)
-    else:  # CPU has no mixed-dtype GEMM
-        acc.add_(torch.mm(grad_logits.t(), h).float())
+    else:  # a [V, H] fp32 product per chunk, then added (CPU has no mixed-dtype GEMM)
+        acc.add_(torch.mm(grad_logits.t(), h, out_dtype=acc.dtype) if acc.is_cuda
+                 else torch.mm(grad_logits.t(), h).float())
 
 
 def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
