@@ -153,40 +153,18 @@ def run_variant(name: str, base: ModelConfig, args, clock: Clock, dtype: torch.d
 
 # ------------------------------------------------------------------ parts
 def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> list[list[str]]:
-    """LM head + loss and the attention core of one layer, alone, at the model's shapes."""
+    """LM head + loss and the attention core of one layer, alone, at the model's shapes: [label, ms, peak GiB
+    above the inputs]."""
     dev = clock.device
     n, hidden, vocab = args.micro * args.seq_len, config.hidden_size, config.vocab_size
     g = torch.Generator().manual_seed(1)
-    h = torch.randn(n, hidden, generator=g).to(dev, dtype).requires_grad_(True)
-    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dev, dtype).requires_grad_(True)
-    labels = torch.randint(0, vocab, (n,), generator=g).to(dev)
+    rand = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).to(dev, dtype)  # noqa: E731
     rows = []
 
-    def timed(label: str, loss_fn) -> None:
+    def part(label: str, fn, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None = None) -> None:
         def step():
-            h.grad = w.grad = None
-            loss_fn().backward()
-
-        step()
-        base = clock.reset_peak()
-        ms = clock.median_ms(step, args.warmup, args.steps)
-        rows.append([label, f"{ms:.2f}", f"{clock.peak_gib(base):.2f}"])
-
-    head = f"LM head + loss ({n} tokens x vocab {vocab})"
-    timed(f"{head}: materialised logits, fp32 CE", lambda: cross_entropy(F.linear(h, w), labels))
-    timed(f"{head}: chunked, eager epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=False))
-    if dev.type == "cuda":
-        timed(f"{head}: chunked, compiled epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=True))
-
-    B, T, Hq, Hkv, D = args.micro, args.seq_len, config.num_heads, config.num_kv_heads, config.head_dim
-    q = torch.randn(B, Hq, T, D, generator=g).to(dev, dtype).requires_grad_(True)
-    k, v = (torch.randn(B, Hkv, T, D, generator=g).to(dev, dtype).requires_grad_(True) for _ in range(2))
-    _, _, doc_ids = make_batch(vocab, B, T, args.doc_len, dev)
-    grad_out = torch.randn(B, Hq, T, D, generator=g).to(dev, dtype)
-
-    def attn(label: str, fn) -> None:
-        def step():
-            q.grad = k.grad = v.grad = None
+            for t in inputs:
+                t.grad = None
             fn().backward(grad_out)
 
         step()
@@ -194,14 +172,28 @@ def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> 
         ms = clock.median_ms(step, args.warmup, args.steps)
         rows.append([label, f"{ms:.2f}", f"{clock.peak_gib(base):.2f}"])
 
-    core = f"attention core ({B}x{T}, {Hq}/{Hkv} heads, D {D})"
-    attn(f"{core}: causal, SDPA enable_gqa", lambda: attend(q, k, v, None))
-    attn(f"{core}: causal, repeated K/V", lambda: reference_attention(q, k, v, None))
+    h, w = rand(n, hidden).requires_grad_(True), rand(vocab, hidden, std=0.02).requires_grad_(True)
+    labels = torch.randint(0, vocab, (n,), generator=g).to(dev)
+    head = f"LM head + loss ({n} tokens x vocab {vocab})"
+    part(f"{head}: materialised logits, fp32 CE", lambda: cross_entropy(F.linear(h, w), labels), (h, w))
+    part(f"{head}: chunked, eager epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=False), (h, w))
+    if dev.type == "cuda":
+        part(f"{head}: chunked, compiled epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=True),
+             (h, w))
+
+    B, T, Hq, Hkv, D = args.micro, args.seq_len, config.num_heads, config.num_kv_heads, config.head_dim
+    q, k, v = (rand(B, heads, T, D).requires_grad_(True) for heads in (Hq, Hkv, Hkv))
+    grad_out = rand(B, Hq, T, D)
+    _, _, doc_ids = make_batch(vocab, B, T, args.doc_len, dev)
     dense_mask = document_causal_mask(doc_ids)
-    attn(f"{core}: documents, dense mask + repeated K/V", lambda: reference_attention(q, k, v, dense_mask))
+    core = f"attention core ({B}x{T}, {Hq}/{Hkv} heads, D {D})"
+    part(f"{core}: causal, SDPA enable_gqa", lambda: attend(q, k, v, None), (q, k, v), grad_out)
+    part(f"{core}: causal, repeated K/V", lambda: reference_attention(q, k, v, None), (q, k, v), grad_out)
+    part(f"{core}: documents, dense mask + repeated K/V", lambda: reference_attention(q, k, v, dense_mask),
+         (q, k, v), grad_out)
     if dev.type == "cuda":
         block_mask = document_block_mask(doc_ids)
-        attn(f"{core}: documents, flex BlockMask", lambda: attend(q, k, v, block_mask))
+        part(f"{core}: documents, flex BlockMask", lambda: attend(q, k, v, block_mask), (q, k, v), grad_out)
         ms = clock.median_ms(lambda: document_block_mask(doc_ids), args.warmup, args.steps)
         rows.append([f"BlockMask from doc_ids [{B}, {T}] (once per forward)", f"{ms:.2f}", ""])
     return rows

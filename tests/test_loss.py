@@ -8,8 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.loss import IGNORE_INDEX, cross_entropy, default_chunk_size, linear_cross_entropy, \
-    softmax_cross_entropy_grad
+from model.loss import (
+    IGNORE_INDEX,
+    cross_entropy,
+    default_chunk_size,
+    linear_cross_entropy,
+    softmax_cross_entropy_grad,
+)
 
 
 def make_inputs(n=300, hidden=24, vocab=97, ignored=0.2, dtype=torch.float32, device="cpu", seed=0):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.config import ModelConfig
-from model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from model.layers import RMSNorm, RotaryEmbedding, apply_rotary, document_block_mask
 from model.ling import IGNORE_INDEX, LingForCausalLM, count_parameters, shift_left
 
 
@@ -306,6 +306,8 @@ def test_forward_and_backward_outside_the_moe_have_no_host_sync(recompute, monke
     for docs in (None, doc_ids):
         with FailOnHostSync():
             model(ids, labels=labels, doc_ids=docs).loss.backward()
+    with FailOnHostSync():  # the BlockMask of the CUDA document path (flex itself has no CPU backward)
+        document_block_mask(doc_ids)
     with FailOnHostSync():  # and the detector does catch a sync
         with pytest.raises(AssertionError, match="synchronise"):
             bool(labels.sum() > 0)
