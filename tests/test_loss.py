@@ -28,7 +28,8 @@ def make_inputs(n=300, hidden=24, vocab=97, ignored=0.2, dtype=torch.float32, de
 
 
 def reference(h, w, labels, scale=1.0):
-    """Today's path: materialised logits, fp32 CE; returns (loss, dh, dW)."""
+    """Today's path: materialised logits, fp32 CE; returns (loss, dh, dW). With float64 inputs (the "truth" of
+    the bf16 tests) the GEMMs run in float64 and the softmax in fp32: ~1e-7, far below bf16's ~4e-3."""
     h, w = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
     loss = cross_entropy(F.linear(h, w), labels)
     (scale * loss).backward()
@@ -119,7 +120,7 @@ def test_second_backward_fails_clearly():
         loss.backward()
 
 
-def test_bf16_loss_and_gradients_are_as_close_to_float64_as_the_materialised_path():
+def test_bf16_loss_and_gradients_are_as_close_to_the_truth_as_the_materialised_path():
     h, w, labels = make_inputs(n=512, hidden=64, vocab=1000, dtype=torch.bfloat16)
     truth = reference(h.double(), w.double(), labels)
     ref = reference(h, w, labels)
