@@ -50,8 +50,13 @@ class ModelConfig:
     precision: str = "bf16"
     fp8_recipe: str = "blockwise"  # "blockwise" (1x128 / 128x128) or "tensorwise"
     fp8_pow2_scales: bool = False
-    # memory
-    activation_checkpointing: bool = False
+    # attention with `doc_ids` (packed documents): "flex" (FlexAttention with a document-causal BlockMask, CUDA),
+    # "dense" (SDPA with a dense [B, 1, T, T] bool mask: the CPU/reference path), "auto" (flex on CUDA, else dense)
+    document_attention: str = "auto"
+    # memory: "none", "full" (checkpoint whole layers), "selective" (recompute the attention core and the SwiGLU
+    # of the dense/shared MLPs in backward; the linears keep their saved inputs)
+    recompute: str = "none"
+    activation_checkpointing: bool = False  # legacy alias: true means recompute="full"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +103,12 @@ class ModelConfig:
                      f"must be a multiple of 128 for the blockwise FP8 experts, got {getattr(self, key)}")
         need(self.fp8_recipe in ("blockwise", "tensorwise"), "fp8_recipe",
              f"must be 'blockwise' or 'tensorwise', got {self.fp8_recipe!r}")
+        need(self.document_attention in DOCUMENT_ATTENTION, "document_attention",
+             f"must be one of {', '.join(DOCUMENT_ATTENTION)}, got {self.document_attention!r}")
+        need(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        need(not self.activation_checkpointing or self.recompute in ("none", "full"), "activation_checkpointing",
+             f"true is the old spelling of model.recompute=full and contradicts model.recompute={self.recompute}; "
+             "set only model.recompute")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -107,6 +118,11 @@ class ModelConfig:
     @property
     def pad_for_fp8_resolved(self) -> bool:
         return self.precision == "fp8" if self.pad_for_fp8 is None else bool(self.pad_for_fp8)
+
+    @property
+    def recompute_mode(self) -> str:
+        """`recompute` with the legacy `activation_checkpointing=true` folded in: none | full | selective."""
+        return "full" if self.activation_checkpointing else self.recompute
 
     @property
     def is_moe_layer(self) -> list[bool]:
@@ -131,14 +147,23 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """`tiny` (CPU tests and demo), `ling_mini_2_0` (16.3B), `ling_mini_2_0_l6` (the 1-GPU proxy)."""
+        """A named preset with `overrides` applied: `ling_mini_2_0` (the published 16.3B model),
+        `ling_mini_2_0_e64` (full depth and width, 64 experts: the one-GPU throughput proxy),
+        `ling_mini_2_0_l6` (6 layers: the one-GPU memory proxy), `tiny` (CPU tests and the demo)."""
         if name not in PRESETS:
             raise ValueError(f"model preset {name!r} is unknown (known: {', '.join(PRESETS)})")
         return cls(**{**PRESETS[name], **overrides})
 
 
+DOCUMENT_ATTENTION = ("auto", "flex", "dense")
+RECOMPUTE = ("none", "full", "selective")
+
 PRESETS: dict[str, dict[str, Any]] = {
     "ling_mini_2_0": {},
+    # Full depth and width (20 layers, MTP, vocab 157184), 64 experts instead of 256: the real model's per-token
+    # compute on one GPU; each GPU's grouped GEMM sees as many routed rows as under 8-way expert parallelism.
+    # Routing keeps its shape: 8 groups of 8 experts, top-4 groups, then top-8 experts.
+    "ling_mini_2_0_e64": {"num_experts": 64},
     # Same width, 1 dense + 5 MoE layers + MTP: ~5.6B parameters, fits one 141 GB GPU with fp32 Adam.
     "ling_mini_2_0_l6": {"num_layers": 6},
     # Small enough to train for 100+ steps on 2 CPU cores in a few minutes; keeps every mechanism

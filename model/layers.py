@@ -1,12 +1,25 @@
-"""Building blocks: RMSNorm, half RoPE, GQA attention with QK-norm, SwiGLU MLP, and the linear switch."""
+"""Building blocks: RMSNorm, half RoPE, GQA attention with QK-norm (SDPA, or FlexAttention over packed
+documents), SwiGLU MLP with optional recomputation, and the linear switch."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
+
+AttentionMask = torch.Tensor | BlockMask | None  # None: causal; bool [B, 1, T, T]: dense; BlockMask: flex
+
+
+def scope(name: str):
+    """A profiler range `name` while a torch profiler records (bench/bench_model.py groups kernels by these
+    ranges: attention_core, attention_proj, mlp, moe, lm_head_loss, ...); a no-op otherwise."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def make_linear(in_features: int, out_features: int, config: ModelConfig) -> nn.Linear:
@@ -73,22 +86,89 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """doc_ids int [B, T] → bool [B, 1, T, T]: position t attends to s ≤ t of the same document. Built once
-    per forward and shared by every attention layer."""
+    """doc_ids int [B, T] → bool [B, 1, T, T]: position t attends to s ≤ t of the same document (the dense
+    reference mask, B·T² bytes)."""
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (causal & same_doc)[:, None]
 
 
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """doc_ids int [B, T] → the same document-causal mask as a FlexAttention BlockMask (128x128 blocks: blocks
+    outside every document are skipped, partial ones masked per element). No host sync."""
+    B, T = doc_ids.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+
+
+def attention_mask(doc_ids: torch.Tensor | None, config: ModelConfig) -> AttentionMask:
+    """The mask every attention layer of one forward shares: None (causal) without doc_ids, else a BlockMask
+    (`document_attention` flex, or auto on CUDA) or the dense bool mask (dense, or auto elsewhere)."""
+    if doc_ids is None:
+        return None
+    impl = config.document_attention
+    if impl == "auto":
+        impl = "flex" if doc_ids.is_cuda else "dense"
+    if impl == "flex":
+        if not doc_ids.is_cuda and torch.is_grad_enabled():
+            raise ValueError("model.document_attention=flex: FlexAttention has no backward on CPU; "
+                             "use auto or dense there")
+        return document_block_mask(doc_ids)
+    return document_causal_mask(doc_ids)
+
+
+_compiled_flex = None
+
+
+def _flex(q: torch.Tensor):
+    """flex_attention compiled once on CUDA (its fused kernel); eager (the unfused reference) elsewhere."""
+    global _compiled_flex
+    if not q.is_cuda:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """q [B, Hq, T, D], k/v [B, Hkv, T, D] → [B, Hq, T, D]; query head h reads KV head h // (Hq / Hkv) without a
+    K/V copy. Scale 1/sqrt(D)."""
+    if isinstance(mask, BlockMask):
+        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=True)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return reference_attention(q, k, v, mask)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: K/V repeated to every query head, SDPA causal or with a dense bool mask [B, 1, T, T].
+    Also the dense-mask path (SDPA's memory-efficient kernel takes the mask but no GQA)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
-    """GQA self-attention: fused QKV (rows Q | K | V, head-major), QK-norm, half RoPE, causal SDPA."""
+    """GQA self-attention: fused QKV (rows Q | K | V, head-major), QK-norm, half RoPE, causal SDPA.
+
+    With `recompute=selective` the core (QK-norm, RoPE, attention) keeps only its input, the QKV output, and
+    runs again in backward; the two linears keep their saved inputs."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
+        self.recompute_core = config.recompute_mode == "selective"
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.query_key_value = make_linear(config.hidden_size, qkv_out, config)
         self.dense = make_linear(config.num_heads * config.head_dim, config.hidden_size, config)
@@ -96,11 +176,21 @@ class Attention(nn.Module):
         self.key_layernorm = RMSNorm(config.head_dim, config.rms_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, hidden] → [B, T, hidden]; attn_mask bool [B, 1, T, T] (`document_causal_mask`) or None for
-        plain causal attention."""
-        B, T, _ = x.shape
-        qkv = self.query_key_value(x)
+                mask: AttentionMask = None) -> torch.Tensor:
+        """x [B, T, hidden] → [B, T, hidden]; mask from `attention_mask` (None: plain causal attention)."""
+        with scope("attention_proj"):
+            qkv = self.query_key_value(x)
+        with scope("attention_core"):
+            if self.recompute_core and torch.is_grad_enabled():
+                out = checkpoint(self.core, qkv, cos, sin, mask, use_reentrant=False)
+            else:
+                out = self.core(qkv, cos, sin, mask)
+        with scope("attention_proj"):
+            return self.dense(out)
+
+    def core(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        """qkv [B, T, (Hq + 2·Hkv)·D] → attention output [B, T, Hq·D] (before the output projection)."""
+        B, T, _ = qkv.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
@@ -108,27 +198,48 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(self.query_layernorm(q), cos, sin)
         k = apply_rotary(self.key_layernorm(k), cos, sin)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # query head h reads KV head h // groups
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
-        return self.dense(out)
+        out = attend(q, k, v, mask)
+        return out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) · up of gate_up = [gate | up] that saves only gate_up and recomputes silu(gate) in backward
+    (autograd's own graph also keeps silu(gate)); the gradient is autograd's, op for op."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return torch.cat([d_gate, grad * F.silu(gate)], dim=-1)
+
+
+def swiglu(gate_up: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    """gate_up [..., 2·I] = [gate | up] → silu(gate) · up [..., I]; `recompute` saves only gate_up for backward.
+    (The routed experts' SwiGLU lives in their grouped-GEMM function; it can use this too.)"""
+    if recompute and torch.is_grad_enabled() and gate_up.requires_grad:
+        return _SwiGLU.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x)); gate and up fused in one [2·inter, hidden] weight."""
+    """SwiGLU: down(silu(gate(x)) · up(x)); gate and up fused in one [2·inter, hidden] weight. With
+    `recompute=selective` the activation is recomputed in backward from the saved gate_up output."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.recompute_activation = config.recompute_mode == "selective"
         self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, config)
         self.down_proj = make_linear(intermediate_size, hidden_size, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        with scope("mlp"):
+            return self.down_proj(swiglu(self.gate_up_proj(x), self.recompute_activation))

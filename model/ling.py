@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
-from model.layers import MLP, Attention, RMSNorm, RotaryEmbedding, document_causal_mask
+from model.layers import MLP, Attention, AttentionMask, RMSNorm, RotaryEmbedding, attention_mask, scope
+from model.loss import IGNORE_INDEX, LMHead, cross_entropy
 from model.moe import MoE, Router, RouterOutput
-
-IGNORE_INDEX = -100
 
 
 class DecoderLayer(nn.Module):
@@ -27,12 +25,13 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = MoE(config) if moe else MLP(config.hidden_size, config.dense_intermediate_size, config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] → (x [B, T, H], router losses fp32 [2] = (z_loss, aux_loss), zeros for dense)."""
-        x = x + self.attention(self.input_layernorm(x), cos, sin, attn_mask)
+        x = x + self.attention(self.input_layernorm(x), cos, sin, mask)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            out, routing = self.mlp(h)
+            with scope("moe"):
+                out, routing = self.mlp(h)
             losses = torch.stack([routing.z_loss, routing.aux_loss])
         else:
             out, losses = self.mlp(h), torch.zeros(2, device=x.device)
@@ -50,16 +49,17 @@ class MTPLayer(nn.Module):
         self.transformer_layer = DecoderLayer(config, moe=True)
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
 
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, attn_mask) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        x, losses = self.transformer_layer(x, cos, sin, attn_mask)
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        with scope("mtp_proj"):
+            x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
+        x, losses = self.transformer_layer(x, cos, sin, mask)
         return self.final_layernorm(x), losses
 
 
 @dataclass
 class LingOutput:
-    logits: torch.Tensor  # [B, T, V] in the compute dtype
-    mtp_logits: list[torch.Tensor] = field(default_factory=list)  # one [B, T, V] per MTP depth
+    logits: torch.Tensor | None = None  # [B, T, V] in the compute dtype; None unless returned (`return_logits`)
+    mtp_logits: list[torch.Tensor] | None = None  # one [B, T, V] per MTP depth; None unless returned
     loss: torch.Tensor | None = None  # lm_loss + mtp_weight · mean(mtp) + z + aux
     lm_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None  # mean CE over MTP depths (unweighted); None without MTP
@@ -77,22 +77,12 @@ def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return out
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over labels != -100, computed in fp32; 0 (with grad) when every label is ignored.
-
-    Summed, then divided by the clamped count (the same value as F.cross_entropy's mean, bit for bit): no
-    data-dependent branch, so no host sync in the middle of the forward."""
-    logits = logits.float().view(-1, logits.shape[-1])
-    labels = labels.reshape(-1)
-    total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
-
-
 class LingForCausalLM(nn.Module):
     """Embedding → decoder layers (dense first, then MoE) → final norm → LM head, plus MTP depths.
 
-    forward(input_ids int64 [B, T], labels int64 [B, T] | None, doc_ids int64 [B, T] | None) → LingOutput.
-    labels[:, t] is the token after input_ids[:, t]; MTP depth d predicts labels shifted d more positions.
+    forward(input_ids int64 [B, T], labels int64 [B, T] | None, doc_ids int64 [B, T] | None,
+    return_logits bool | None) → LingOutput. labels[:, t] is the token after input_ids[:, t]; MTP depth d
+    predicts labels shifted d more positions.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -103,7 +93,7 @@ class LingForCausalLM(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, moe) for moe in config.is_moe_layer)
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.mtp_layers = nn.ModuleList(MTPLayer(config) for _ in range(config.num_mtp_layers))
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_base)
         self.reset_parameters()
@@ -129,38 +119,54 @@ class LingForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, Router)]
 
     def _run_layer(self, layer: nn.Module, *args):
-        if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+        if self.config.recompute_mode == "full" and self.training and torch.is_grad_enabled():
             return checkpoint(layer, *args, use_reentrant=False)
         return layer(*args)
 
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None,
+              return_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """h [B, T, H] → (logits [B, T, V] if asked, mean CE if labels): the fused chunked loss when the logits
+        are not asked for, else CE over the returned logits."""
+        with scope("lm_head_loss"):
+            if not return_logits:
+                return None, (self.lm_head(h, labels) if labels is not None else None)
+            logits = self.lm_head(h)
+            return logits, (cross_entropy(logits, labels) if labels is not None else None)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> LingOutput:
+                doc_ids: torch.Tensor | None = None, return_logits: bool | None = None) -> LingOutput:
+        """return_logits: None = logits iff labels is None. With labels and no logits the LM heads compute their
+        loss chunk by chunk (`model.loss.linear_cross_entropy`) and no [B, T, V] tensor exists."""
         cfg = self.config
+        return_logits = labels is None if return_logits is None else return_logits
         B, T = input_ids.shape
         cos, sin = self.rotary.cos_sin(torch.arange(T, device=input_ids.device))
-        attn_mask = document_causal_mask(doc_ids) if doc_ids is not None else None
-        x = self.word_embeddings(input_ids)
+        mask = attention_mask(doc_ids, cfg)  # built once, shared by every layer
+        with scope("embedding"):
+            x = self.word_embeddings(input_ids)
         router_losses = torch.zeros(2, device=x.device)
         for layer in self.layers:
-            x, losses = self._run_layer(layer, x, cos, sin, attn_mask)
+            x, losses = self._run_layer(layer, x, cos, sin, mask)
             router_losses = router_losses + losses
         h = self.norm(x)
-        logits = self.lm_head(h)
+        out = LingOutput(mtp_logits=[] if return_logits else None)
+        out.logits, out.lm_loss = self._head(h, labels, return_logits)
 
-        mtp_logits: list[torch.Tensor] = []
         mtp_losses: list[torch.Tensor] = []
         for depth, mtp in enumerate(self.mtp_layers, start=1):
-            emb = self.word_embeddings(shift_left(input_ids, depth, 0))
+            with scope("embedding"):
+                emb = self.word_embeddings(shift_left(input_ids, depth, 0))
             # depth d keeps position t's document mask: its input at t is token t+d, its target token t+d+1
-            h, losses = self._run_layer(mtp, emb, h, cos, sin, attn_mask)
+            h, losses = self._run_layer(mtp, emb, h, cos, sin, mask)
             router_losses = router_losses + losses
-            mtp_logits.append(self.lm_head(h))
-            if labels is not None:
-                mtp_losses.append(cross_entropy(mtp_logits[-1], shift_left(labels, depth, IGNORE_INDEX)))
+            mtp_labels = shift_left(labels, depth, IGNORE_INDEX) if labels is not None else None
+            logits, loss = self._head(h, mtp_labels, return_logits)
+            if logits is not None:
+                out.mtp_logits.append(logits)
+            if loss is not None:
+                mtp_losses.append(loss)
 
-        out = LingOutput(logits=logits, mtp_logits=mtp_logits)
         if labels is not None:
-            out.lm_loss = cross_entropy(logits, labels)
             out.z_loss = cfg.z_loss_coef * router_losses[0]
             out.aux_loss = cfg.aux_loss_coef * router_losses[1]
             out.loss = out.lm_loss + out.z_loss + out.aux_loss
@@ -206,4 +212,5 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
     return ParameterCount(total, act, mtp_total, mtp_act)
 
 
-__all__ = ["LingForCausalLM", "LingOutput", "count_parameters", "ParameterCount", "RouterOutput", "shift_left"]
+__all__ = ["IGNORE_INDEX", "LingForCausalLM", "LingOutput", "count_parameters", "cross_entropy", "ParameterCount",
+           "RouterOutput", "shift_left"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.dispatch import DispatchPlan, permute, plan_dispatch, row_gates, unpermute
-from model.layers import MLP
+from model.layers import MLP, scope
 
 
 class RouterOutput(NamedTuple):
@@ -68,7 +68,8 @@ class Router(nn.Module):
         flat = topk_idx.flatten()  # scatter_add, not bincount: CUDA's bincount waits for the host twice
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
-        if self.training:
+        # count once per micro-batch: activation checkpointing reruns this forward inside backward
+        if self.training and torch._C._current_graph_task_id() == -1:
             self.tokens_per_expert += counts.float()
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
         # switch-style balance loss on normalised scores: E · Σ_e f_e · P_e
@@ -200,9 +201,13 @@ class MoE(nn.Module):
         """x [B, T, H] → ([B, T, H], router output)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.router(flat)
-        plan = plan_dispatch(routing.topk_idx, self.router.num_experts, self.pad_multiple)
-        out = self.experts(flat, routing.topk_weight, plan).view(shape)
+        with scope("router"):
+            routing = self.router(flat)
+        with scope("dispatch"):
+            plan = plan_dispatch(routing.topk_idx, self.router.num_experts, self.pad_multiple)
+        with scope("experts"):
+            out = self.experts(flat, routing.topk_weight, plan).view(shape)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            with scope("shared_expert"):
+                out = out + self.shared_experts(x)
         return out, routing

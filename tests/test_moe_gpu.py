@@ -78,24 +78,30 @@ def test_fp8_experts_match_bf16_experts_within_e4m3_error():
 
 
 def test_whole_fp8_model_step_tracks_bf16():
-    """One forward+backward of a small Ling model (FP8 linears and experts vs bf16): the loss within 1 % and
-    each gradient within 15 % norm-relative (E4M3 roundings through a few layers; measured figures printed)."""
+    """One forward+backward of a small Ling model, same weights in fp32 (the reference), bf16 and FP8 (FP8
+    linears and experts): the FP8 loss within 1 % of fp32's, and every FP8 gradient within 15 % norm-relative of
+    fp32's or no further from it than 3x bf16's own distance (gradients that are sums with heavy cancellation,
+    like a router's, amplify every rounding, bf16's too); the measured figures are printed."""
     torch.manual_seed(3)
     cfg = ModelConfig.preset("tiny", vocab_size=1024, hidden_size=256, expert_intermediate_size=128,
                              dense_intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)  # fmt: skip
-    bf16 = LingForCausalLM(cfg).cuda().bfloat16()
-    fp8 = LingForCausalLM(cfg.replace(precision="fp8")).cuda().bfloat16()
-    fp8.load_state_dict(bf16.state_dict())
+    ref = LingForCausalLM(cfg).cuda()
+    models = {"fp32": ref, "bf16": LingForCausalLM(cfg).cuda().bfloat16(),
+              "fp8": LingForCausalLM(cfg.replace(precision="fp8")).cuda().bfloat16()}  # fmt: skip
     ids = torch.randint(0, 1024, (4, 512), device="cuda")
     labels = torch.roll(ids, -1, 1)
-    outs = []
-    for model in (bf16, fp8):
+    losses = {}
+    for name, model in models.items():
+        model.load_state_dict(ref.state_dict())
         out = model(ids, labels=labels)
         out.loss.backward()
-        outs.append(out.loss.detach())
-    assert torch.isfinite(outs[1])
-    assert abs(float(outs[1] / outs[0]) - 1) < 0.01
-    worst = max((rel(pf.grad, pb.grad), n) for (n, pb), pf in zip(bf16.named_parameters(), fp8.parameters())
-                if pb.grad is not None and pb.grad.norm() > 0)  # fmt: skip
-    print("loss bf16 / fp8:", outs, "worst gradient:", worst)
-    assert worst[0] < 0.15
+        losses[name] = float(out.loss)
+    assert abs(losses["fp8"] / losses["fp32"] - 1) < 0.01, losses
+    rows = []
+    for (n, p32), pb, p8 in zip(ref.named_parameters(), models["bf16"].parameters(), models["fp8"].parameters()):
+        if p32.grad is not None and p32.grad.norm() > 0:
+            rows.append((n, rel(pb.grad, p32.grad), rel(p8.grad, p32.grad)))
+    print("losses", losses)
+    for n, eb, e8 in sorted(rows, key=lambda r: -r[2])[:8]:
+        print(f"{n}: bf16 {eb:.4f} fp8 {e8:.4f}")
+    assert all(e8 < 0.15 or e8 < 3 * eb for _, eb, e8 in rows)

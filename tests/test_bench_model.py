@@ -1,0 +1,22 @@
+"""Smoke test of bench/bench_model.py on CPU: every table prints, the model table last, kernels grouped by part."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def test_bench_model_runs_on_cpu_and_prints_the_model_table_last(capsys):
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_model.py"
+    spec = importlib.util.spec_from_file_location("bench_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1",
+                "--variants", "fast,old_loss,selective"])
+    out = capsys.readouterr().out
+    assert "LM head + loss" in out and "attention core" in out
+    profile = out[out.index("### Where"):out.index("| **total**")]
+    for part in ("attention (QK-norm", "dense linears", "LM head + loss", "MoE"):
+        assert part in profile, part
+    table = out[out.rindex("### Model forward + backward"):].splitlines()
+    assert [line.split(" | ")[1] for line in table if line.startswith("| tiny")] == ["fast", "old_loss", "selective"]
