@@ -239,7 +239,7 @@ def sweep(tokens: int, experts: int) -> list[dict]:
         wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),
                             G.quantize_tokens_grouped(rand(rows.num_rows, k), rows)))  # fmt: skip
     wgrad_tiles = [(128, 128, 8, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 3), (64, 128, 4, 3, 1000),
-                   (128, 64, 4, 3, 2), (64, 64, 4, 4, 4), (128, 128, 8, 3, 1000), (64, 128, 4, 4, 2)]
+                   (128, 64, 4, 3, 2), (64, 64, 4, 4, 4), (128, 128, 8, 3, 1000), (64, 128, 4, 4, 2), (64, 256, 8, 3, 2), (64, 256, 4, 3, 2)]
     for bm, bn, warps, stages, ppsm in wgrad_tiles:
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, False, False, ppsm)
         G.set_grouped_config("wgrad", cfg)

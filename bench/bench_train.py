@@ -1,7 +1,7 @@
 """Side-by-side training throughput and memory: BF16 vs FP8 runs of the same model through train.py.
 
     python bench/bench_train.py [--model ling_mini_2_0_l6] [--steps 12] [--seq-len 4096] [--micro 1]
-        [--variants bf16,fp8] [--extra 'key=value ...']
+        [--grad-accum 8] [--variants bf16,fp8] [--extra 'key=value ...']
 
 Each variant is a fresh `python train.py` process (so peak memory is per variant) on synthetic data; the
 table reports medians over the steps after the first `--warmup` ones. Prints a Markdown table last.
@@ -32,6 +32,7 @@ def run_variant(name: str, args) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
     cmd = [sys.executable, "train.py", f"model={args.model}", "data=synthetic", f"data.vocab_size={args.vocab}",
            f"train.steps={args.steps}", f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro}",
+           f"train.grad_accum={args.grad_accum}",
            "train.device=cuda", "train.save_final=false", "logging.wandb.mode=disabled", "logging.progress_bar=false",
            f"hydra.run.dir={out_dir}", "optim.warmup_steps=2", *VARIANTS[name], *shlex.split(args.extra)]
     print("$", " ".join(cmd), flush=True)
@@ -55,13 +56,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=157184)
     ap.add_argument("--variants", default="bf16,fp8")
     ap.add_argument("--extra", default="model.activation_checkpointing=true")
     args = ap.parse_args()
     results = [run_variant(v, args) for v in args.variants.split(",")]
     base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
-    print(f"\n### {args.model}, seq {args.seq_len} x micro-batch {args.micro}, {args.steps} steps "
+    print(f"\n### {args.model}, seq {args.seq_len} x micro-batch {args.micro} x grad_accum {args.grad_accum}, "
+          f"{args.steps} steps "
           f"(medians after {args.warmup})\n")
     print("| variant | tokens/s | vs bf16 | TFLOPS/GPU | MFU | peak mem GiB | vs bf16 | loss first→last |")
     print("|---|---|---|---|---|---|---|---|")

@@ -79,13 +79,20 @@ def test_fp8_experts_match_bf16_experts_within_e4m3_error():
 
 def test_whole_fp8_model_step_tracks_bf16():
     """One forward+backward of a small Ling model, same weights in fp32 (the reference), bf16 and FP8 (FP8
-    linears and experts): the FP8 loss within 1 % of fp32's, and every FP8 gradient within 15 % norm-relative of
-    fp32's or no further from it than 3x bf16's own distance (gradients that are sums with heavy cancellation,
-    like a router's, amplify every rounding, bf16's too); the measured figures are printed."""
+    linears and experts): the FP8 loss within 1 % of fp32's and every FP8 gradient within 15 % norm-relative of
+    fp32's (measured figures printed).
+
+    Routing is fixed by distinct expert biases (router weights zero): at init the router's scores are nearly
+    tied, so any rounding flips some tokens' experts and moves their whole gradient from one expert to another
+    (bf16 vs fp32 differed by 14 % on expert gradients from flips alone), which says nothing about FP8."""
     torch.manual_seed(3)
     cfg = ModelConfig.preset("tiny", vocab_size=1024, hidden_size=256, expert_intermediate_size=128,
                              dense_intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)  # fmt: skip
     ref = LingForCausalLM(cfg).cuda()
+    with torch.no_grad():
+        for router in ref.routers():
+            router.weight.zero_()
+            router.expert_bias.copy_(torch.randperm(cfg.num_experts, device="cuda").float() * 0.1)
     models = {"fp32": ref, "bf16": LingForCausalLM(cfg).cuda().bfloat16(),
               "fp8": LingForCausalLM(cfg.replace(precision="fp8")).cuda().bfloat16()}  # fmt: skip
     ids = torch.randint(0, 1024, (4, 512), device="cuda")
@@ -104,4 +111,4 @@ def test_whole_fp8_model_step_tracks_bf16():
     print("losses", losses)
     for n, eb, e8 in sorted(rows, key=lambda r: -r[2])[:8]:
         print(f"{n}: bf16 {eb:.4f} fp8 {e8:.4f}")
-    assert all(e8 < 0.15 or e8 < 3 * eb for _, eb, e8 in rows)
+    assert max(e8 for _, _, e8 in rows) < 0.15
