@@ -9,7 +9,6 @@ from ling.launch import add_shared_run_overrides, strip_local_rank_arg  # noqa: 
 strip_local_rank_arg()  # the deepspeed launcher's --local_rank must not reach Hydra
 add_shared_run_overrides()  # one uniquely named run dir for all ranks; ranks > 0 write no Hydra files
 
-import logging  # noqa: E402
 import sys  # noqa: E402
 
 import hydra  # noqa: E402
@@ -23,8 +22,7 @@ def main(cfg: DictConfig) -> None:
 
     try:
         train(cfg)
-    except StopRun as stop:  # a refusal, a preemption or too many non-finite steps: a message, not a traceback
-        logging.getLogger("ling").log(logging.WARNING if stop.exit_code > 128 else logging.ERROR, "%s", stop)
+    except StopRun as stop:  # logged by train(); the exit code tells the launcher (no traceback)
         sys.exit(stop.exit_code)
 
 

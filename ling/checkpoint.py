@@ -182,21 +182,23 @@ def _check_file(folder: Path, name: str, want: dict[str, Any], checksums: bool) 
     return None
 
 
-def verify(folder: Path, checksums: bool = True) -> list[str]:
+def verify(folder: Path, checksums: bool = True, world_size: int | None = None) -> list[str]:
     """Check a checkpoint against its manifest (collective: each rank checks a share of the files).
 
-    Returns the problems found on any rank, the same list on every rank; empty = verified.
+    Returns the problems found on any rank, the same list on every rank; empty = verified. `world_size`:
+    the ranks that will load it (default: this run's); a checkpoint only loads into the world that wrote it.
     """
     rank, world = rank_world()
+    nranks = world_size or world
     manifest = _read_manifest(folder)
     problems: list[str] = []
     if isinstance(manifest, str):
         problems.append(manifest)
-    elif manifest.get("world_size") != world:
-        problems.append(f"written by {manifest.get('world_size')} ranks, this run has {world}")
+    elif manifest.get("world_size") != nranks:
+        problems.append(f"written by {manifest.get('world_size')} ranks, this run has {nranks}")
     else:
         files = manifest["files"]
-        problems += [f"{TRAINER_STATE.format(rank=r)} is not in the manifest" for r in range(world)
+        problems += [f"{TRAINER_STATE.format(rank=r)} is not in the manifest" for r in range(nranks)
                      if TRAINER_STATE.format(rank=r) not in files]
         names = sorted(files)
         problems += [p for n in names[rank::world] if (p := _check_file(folder, n, files[n], checksums))]

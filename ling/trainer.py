@@ -76,12 +76,16 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     if cfg.train.on_locked not in ("fail", "wait"):
         raise ValueError(f"train.on_locked={cfg.train.on_locked!r} is unknown (known: fail, wait)")
     with contextlib.ExitStack() as stack:
-        stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
         stack.enter_context(setup_logging(run_dir, rank, cfg.logging.level, cfg.logging.deepspeed_level))
-        signals = stack.enter_context(StopSignals())
-        trainer = Trainer(cfg, run_dir, signals)
-        stack.callback(trainer.close)
-        return trainer.fit()
+        try:
+            stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
+            signals = stack.enter_context(StopSignals())
+            trainer = Trainer(cfg, run_dir, signals)
+            stack.callback(trainer.close)
+            return trainer.fit()
+        except StopRun as stop:  # a refusal, a preemption, too many non-finite steps: said once, by rank 0
+            log.log(logging.WARNING if stop.exit_code > 128 else logging.ERROR, "%s", stop)
+            raise
 
 
 class Trainer:
