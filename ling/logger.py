@@ -40,8 +40,11 @@ class _BelowErrorOnOtherRanks(logging.Filter):
 
 
 def quiet_library_noise() -> None:
-    """Call before importing DeepSpeed: its logger keeps this filter, so ranks > 0 drop its banners."""
+    """Call before importing DeepSpeed or datasets: DeepSpeed's logger keeps this filter, so ranks > 0 drop its
+    banners, and ranks > 0 draw no `datasets` progress bars (rank 0's show the data preparation)."""
     logging.getLogger("DeepSpeed").addFilter(_BelowErrorOnOtherRanks())
+    if _env_rank() != 0:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 class _ConsoleFilter(logging.Filter):

@@ -20,14 +20,18 @@ TINY = ["+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=
         "logging.progress_bar=false", "train.resume=none", "optim.warmup_steps=1", "optim.lr=1e-2"]
 
 
-def engine_for(overrides: list[str]):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cuda: bf16 weights, DeepSpeed's bf16 path
+
+
+def engine_for(overrides: list[str], device: str = "cpu"):
     init_distributed()
-    cfg = compose_cfg([*TINY, *overrides])
-    return build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))[0]
+    cfg = compose_cfg([*TINY, f"train.device={device}", *overrides])
+    return build_engine(cfg, model_config_from(cfg, 256), torch.device(device, 0) if device == "cuda" else
+                        torch.device(device))[0]
 
 
 def step(engine, seed: int, grad_hook=None) -> None:
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed)).to(engine.device)
     handle = next(engine.module.parameters()).register_hook(grad_hook) if grad_hook else None
     out = engine(ids, labels=ids)
     engine.backward(out.loss)
@@ -70,11 +74,12 @@ def assert_same_tree(a, b, path="") -> None:
         assert a == b, path
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_deepspeed_skips_a_step_whose_gradient_is_not_finite(stage):
+def test_deepspeed_skips_a_step_whose_gradient_is_not_finite(stage, device):
     """What the guard relies on: an inf in one gradient (finite loss) leaves every parameter untouched and
-    `was_step_applied()` False, under each ZeRO stage a CPU run can use."""
-    engine = engine_for([f"deepspeed=zero{stage}"])
+    `was_step_applied()` False, under each ZeRO stage, fp32 (CPU) and bf16 (GPU)."""
+    engine = engine_for([f"deepspeed=zero{stage}"], device)
     step(engine, 0)
     before = full_params(engine)
     step(engine, 1, grad_hook=lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
@@ -82,7 +87,8 @@ def test_deepspeed_skips_a_step_whose_gradient_is_not_finite(stage):
     after = full_params(engine)
     assert all(torch.equal(before[n], after[n]) for n in before)
     step(engine, 2)
-    assert engine.was_step_applied() and not torch.equal(before["lm_head.weight"], full_params(engine)["lm_head.weight"])
+    assert engine.was_step_applied()
+    assert not torch.equal(before["lm_head.weight"], full_params(engine)["lm_head.weight"])
 
 
 def test_zero0_in_fp32_is_refused_because_deepspeed_would_apply_the_nan():
@@ -90,11 +96,12 @@ def test_zero0_in_fp32_is_refused_because_deepspeed_would_apply_the_nan():
         check_engine_can_skip(engine_for(["deepspeed=zero0"]))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_fp8_weight_caches_follow_every_deepspeed_step_through_the_optimizer_hook(stage):
+def test_fp8_weight_caches_follow_every_deepspeed_step_through_the_optimizer_hook(stage, device):
     """No trainer here: ZeRO writes the new weights through `.data` (no autograd version bump), so without the
     optimizer's step hook the next forward would reuse the old FP8 weights."""
-    engine = engine_for(["precision=fp8", f"deepspeed=zero{stage}"])
+    engine = engine_for(["precision=fp8", f"deepspeed=zero{stage}"], device)
     layers = [m for m in engine.module.modules() if isinstance(m, FP8Linear)]
     for seed in range(2):
         step(engine, seed)
@@ -105,12 +112,14 @@ def test_fp8_weight_caches_follow_every_deepspeed_step_through_the_optimizer_hoo
             assert torch.equal(cached_q.view(torch.uint8), fresh_q.view(torch.uint8)) and torch.equal(cached_s, fresh_s)
 
 
-def test_a_nan_step_changes_no_state_incl_fp8_adam_scales_and_expert_biases(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_step_changes_no_state_incl_fp8_adam_scales_and_expert_biases(tmp_path, device):
     """Through the trainer's own step: FP8 linears, FP8AdamW (E4M3 moments + scales on ZeRO-2 partitions),
     aux-loss-free expert biases. Step 2's loss is NaN (the fault-injection knob): after it, parameters,
     buffers, optimizer state and lr schedule are bit-identical to after step 1; only the data moved on."""
     cfg = compose_cfg([*TINY, "precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0", "deepspeed=zero2",
-                       "train.steps=4", "train.inject_nan_steps=[2]", "train.max_bad_steps=2"])
+                       "train.steps=4", "train.inject_nan_steps=[2]", "train.max_bad_steps=2",
+                       f"train.device={device}"])
     trainer = Trainer(cfg, tmp_path, StopSignals())
     engine = trainer.engine
 

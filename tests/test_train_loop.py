@@ -213,8 +213,8 @@ def test_text_run_validates_summarises_and_logs_the_data_warnings(tmp_path):
     from data.text_loader import prepare
 
     data = ["data=files", f"data.sources=[{{path: {write_corpus(tmp_path / 'corpus.jsonl')}}}]",
-            "data.tokenizer.vocab_size=320", "data.tokenizer.train_chars=200000", f"data.cache_dir={tmp_path / 'cache'}",
-            "data.num_proc=1", "data.val_fraction=0.1"]
+            "data.tokenizer.vocab_size=320", "data.tokenizer.train_chars=200000",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1", "data.val_fraction=0.1"]
     common = [a for a in COMMON if not a.startswith("data")]
     cfg = {"name": "files", "sources": [str(tmp_path / "corpus.jsonl")], "cache_dir": str(tmp_path / "cache"),
            "num_proc": 1, "val_fraction": 0.1, "tokenizer": {"vocab_size": 320, "train_chars": 200_000}}
@@ -274,7 +274,8 @@ def test_deepspeed_launcher_runs_and_a_sigterm_to_its_process_group_saves(tmp_pa
 def test_fp8_run_with_fp8_adam_resumes_exactly(tmp_path):
     fp8 = ["precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0", "train.steps=4", "train.micro_batch_size=2"]
     full, _ = run_train(tmp_path / "full", 1, [*fp8, "train.save_every=2"])
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step00000002", tmp_path / "resumed" / "checkpoints" / "step00000002")
+    tag = "step00000002"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / tag, tmp_path / "resumed" / "checkpoints" / tag)
     resumed, _ = run_train(tmp_path / "resumed", 1, fp8)
     assert [m["step"] for m in resumed] == [3, 4]
     same_losses(full[2:], resumed)
