@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from ling.checkpoint import rank_world, broadcast, step_of
+from ling.checkpoint import broadcast, rank_world, step_of
 from ling.launch import StopRun
 
 log = logging.getLogger(__name__)

@@ -84,7 +84,8 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
             stack.callback(trainer.close)
             return trainer.fit()
         except StopRun as stop:  # a refusal, a preemption, too many non-finite steps: said once, by rank 0
-            log.log(logging.WARNING if stop.exit_code > 128 else logging.ERROR, "%s", stop)
+            if rank == 0:
+                log.log(logging.WARNING if stop.exit_code > 128 else logging.ERROR, "%s", stop)
             raise
 
 
@@ -296,7 +297,7 @@ class Trainer:
             return
         if self.guard.streak > 0:
             log.warning("step %d: no checkpoint after a non-finite step; the last good one stays %s", step,
-                        self.last_checkpoint)
+                        self.last_checkpoint or "none (none was written yet)")
             return
         t0 = time.perf_counter()
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
