@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 import warnings
@@ -13,6 +15,7 @@ import pytest
 
 from ling.launch import add_shared_run_overrides
 from ling.logger import setup_logging, truncate_metrics
+from ling.preemption import StopSignals
 from ling.rundir import RunDirBusy, RunDirLock, clear_previous_run, locked_run_dir, previous_run
 
 
@@ -93,3 +96,16 @@ def test_what_an_earlier_run_left_is_described_and_cleared(tmp_path):
     assert previous_run(tmp_path, ckpt) == ["metrics.jsonl (2 lines)", "checkpoints/ (step00000002)"]
     clear_previous_run(tmp_path, ckpt)
     assert previous_run(tmp_path, ckpt) == [] and (tmp_path / "train.log").exists()
+
+
+def test_sigterm_and_sigint_are_recorded_a_quick_repeat_is_ignored_a_late_one_aborts():
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals(repeat_window_s=0.2) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher forwarding the same stop: ignored
+        assert stop.signum == signal.SIGTERM and stop.name == "SIGTERM"
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes
+    assert signal.getsignal(signal.SIGINT) is before

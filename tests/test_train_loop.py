@@ -184,6 +184,19 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(tmp_path
 
 
 @pytest.mark.slow
+def test_a_diverging_run_stops_instead_of_skipping_forever(tmp_path):
+    """optim.lr=1e10: step 1 applies, then every gradient norm is inf. The run used to skip silently to the end,
+    exit 0 and keep writing checkpoints; now it stops after train.max_bad_steps and keeps step 1's."""
+    metrics, proc = run_train(tmp_path, 1, ["train.steps=8", "train.save_every=1", "train.max_bad_steps=3",
+                                            "optim.lr=1e10"], expect_rc=3)
+    assert [(m["step"], m["skipped"]) for m in metrics] == [(1, False), (2, True), (3, True), (4, True)]
+    assert all(m["grad_norm"] is None for m in metrics[1:])  # inf, written as null
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step*")) == ["step00000001"]
+    assert verify(tmp_path / "checkpoints" / "step00000001") == []
+    assert "grad norm inf" in proc.stderr and "the last good checkpoint is" in proc.stderr
+
+
+@pytest.mark.slow
 def test_a_locked_run_dir_and_a_fresh_start_over_an_old_run_are_refused(one_process_run, tmp_path):
     lock = RunDirLock(tmp_path)
     assert lock.try_acquire() is None  # as a running train.py holds it
