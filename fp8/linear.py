@@ -19,9 +19,10 @@ recipe="tensorwise": one current scale per tensor for x, W and dy (the compariso
 Weight cache (`WeightCache`): W is quantized once and reused for as long as its key is unchanged. The key
 is (weight.data_ptr(), weight._version, shape, dtype, device, generation): an optimizer's in-place update
 bumps `_version`, so W is re-quantized once per optimizer step and reused across the micro-batches of
-gradient accumulation. `generation` is a global counter bumped by `invalidate_fp8_weight_caches()`: call it
-after a step if parameters are rewritten behind autograd's back (DeepSpeed writes through `.data`; a ZeRO-3
-re-gather into the same buffer). `module.invalidate_weight_cache()` drops one cache.
+gradient accumulation. `generation` is a global counter bumped by `invalidate_fp8_weight_caches()`, for
+parameters rewritten behind autograd's back (DeepSpeed writes through `.data`; a ZeRO-3 re-gather into the same
+buffer): `ling.engine.build_engine` calls it from an optimizer step hook, so no loop has to remember it.
+`module.invalidate_weight_cache()` drops one cache.
 
 Devices: CUDA tensors run the Triton kernels; CPU tensors run the same maths in PyTorch (fp8/quant.py and
 fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 out).

@@ -1,15 +1,23 @@
-"""Checkpoints: DeepSpeed's model/optimizer shards plus per-rank trainer state (step, data position, RNG).
+"""Checkpoints that can be trusted: DeepSpeed's model/optimizer shards plus each rank's trainer state (step,
+data position, RNG), a manifest of every file, verification before loading, rotation that keeps good ones.
 
-Layout: <dir>/<tag>/ (DeepSpeed files + trainer_state_rank{r}.pt) and <dir>/latest naming the last
-complete tag. `latest` is replaced atomically only after every rank finished writing, so a crash during
-a save leaves the previous checkpoint as the one that resumes.
+Layout: <dir>/step00000123/ holds the DeepSpeed files, `trainer_state_rank{r}.pt` and `manifest.json` (each
+file's size and sha256, the step, the world size); <dir>/latest names the newest tag (for DeepSpeed's tools).
+A save writes into <tag>.partial/, hashes what landed on disk (the ranks share the files), writes the manifest
+last and renames the folder into place, so a checkpoint either has a manifest that matches its files or is
+not a candidate. `newest_verified` walks the checkpoints newest first and returns the first whose files all
+match their manifest (every rank checks its share), with the reasons it skipped the others.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,10 +26,67 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state_rank{rank}.pt"
+PARTIAL = ".partial"
+TAG_RE = re.compile(r"^step(\d{8})$")
+MANIFEST_FORMAT = 1
 
-def _barrier() -> None:
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def step_of(tag: str) -> int | None:
+    m = TAG_RE.match(tag)
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """write(tmp) into a sibling temporary file, flush it to disk, rename it over `path`: readers see the old
+    or the new content, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -39,48 +104,131 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    """write(tmp) into a sibling temporary file, then rename it over `path`: readers see old or new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], rank: int, keep_last: int) -> Path:
-    """Save step `step`; every rank calls this. Returns the checkpoint folder."""
-    tag = f"step{step:08d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    state = {"step": step, "rng": _rng_state(), **trainer_state}
-    _atomic_write(ckpt_dir / tag / f"trainer_state_rank{rank}.pt", lambda tmp: torch.save(state, tmp))
-    _barrier()
+# ------------------------------------------------------------------------------------------------------- save
+def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """Save step `step` (every rank calls this); returns the checkpoint folder, verified on disk."""
+    rank, world = rank_world()
+    tag = tag_for(step)
+    final, partial = ckpt_dir / tag, ckpt_dir / (tag + PARTIAL)
     if rank == 0:
-        _atomic_write(ckpt_dir / "latest", lambda tmp: tmp.write_text(tag))
-        if keep_last > 0:
-            tags = sorted(p.name for p in ckpt_dir.glob("step*") if p.is_dir())
-            for old in tags[:-keep_last]:
-                shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    _barrier()
-    return ckpt_dir / tag
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
+    barrier()
+    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
+    state = {"step": step, "rng": _rng_state(), **trainer_state}
+    atomic_write(partial / TRAINER_STATE.format(rank=rank), lambda tmp: torch.save(state, tmp))
+    barrier()
+    names = broadcast(sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
+                      if rank == 0 else None)
+    mine = {n: {"size": (partial / n).stat().st_size, "sha256": sha256_file(partial / n)} for n in names[rank::world]}
+    files = {k: v for part in _all_gather(mine) for k, v in part.items()}
+    if rank == 0:
+        manifest = {"format": MANIFEST_FORMAT, "tag": tag, "step": step, "world_size": world,
+                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+        atomic_write(partial / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+        if final.exists():  # an older save of this step, e.g. by a run that was resumed from before it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        atomic_write(ckpt_dir / "latest", lambda tmp: tmp.write_text(tag))
+        rotate(ckpt_dir, keep_last, step)
+    barrier()
+    return final
 
 
-def latest_tag(ckpt_dir: Path) -> str | None:
-    marker = ckpt_dir / "latest"
-    if not marker.is_file():
-        return None
-    tag = marker.read_text().strip()
-    if not (ckpt_dir / tag).is_dir():
-        raise FileNotFoundError(f"{marker} names checkpoint {tag!r}, but {ckpt_dir / tag} does not exist")
-    return tag
+def rotate(ckpt_dir: Path, keep_last: int, current_step: int) -> list[str]:
+    """Delete what a resume must never pick: checkpoints newer than `current_step` (left by a run this one
+    was resumed from before), folders without a manifest and interrupted saves; then all but the
+    `keep_last` newest complete ones (0 = keep all). The newest complete one (just written and hashed from
+    disk) is always kept. Returns the removed tags."""
+    removed = []
+    complete = []
+    for p in sorted(ckpt_dir.iterdir()):
+        step = step_of(p.name)
+        if p.name.endswith(PARTIAL) or (step is not None and (step > current_step or not (p / MANIFEST).is_file())):
+            removed.append(p.name)
+        elif step is not None:
+            complete.append((step, p.name))
+    complete.sort()
+    if keep_last > 0:
+        removed += [name for _, name in complete[:-keep_last]]
+    for name in removed:
+        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+    return removed
 
 
-def load(engine, ckpt_dir: Path, tag: str, rank: int) -> dict[str, Any]:
-    """Load model/optimizer/scheduler through DeepSpeed and return this rank's trainer state."""
-    load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    if load_path is None:
-        raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
-    path = ckpt_dir / tag / f"trainer_state_rank{rank}.pt"
+# ----------------------------------------------------------------------------------------------------- verify
+def _read_manifest(folder: Path) -> dict[str, Any] | str:
+    path = folder / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: was the checkpoint written by a run with fewer ranks?")
-    state = torch.load(path, weights_only=False)
+        return "no manifest.json (the save did not finish, or the checkpoint predates manifests)"
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
+            return f"manifest.json has an unknown format ({manifest.get('format')!r})"
+        return manifest
+    except (OSError, ValueError) as e:
+        return f"manifest.json is unreadable ({e})"
+
+
+def _check_file(folder: Path, name: str, want: dict[str, Any], checksums: bool) -> str | None:
+    path = folder / name
+    if not path.is_file():
+        return f"{name} is missing"
+    size = path.stat().st_size
+    if size != want["size"]:
+        return f"{name} has {size} bytes, the manifest says {want['size']} (truncated or rewritten)"
+    if checksums and sha256_file(path) != want["sha256"]:
+        return f"{name} does not match its sha256 checksum (corrupted)"
+    return None
+
+
+def verify(folder: Path, checksums: bool = True, world_size: int | None = None) -> list[str]:
+    """Check a checkpoint against its manifest (collective: each rank checks a share of the files).
+
+    Returns the problems found on any rank, the same list on every rank; empty = verified. `world_size`:
+    the ranks that will load it (default: this run's); a checkpoint only loads into the world that wrote it.
+    """
+    rank, world = rank_world()
+    nranks = world_size or world
+    manifest = _read_manifest(folder)
+    problems: list[str] = []
+    if isinstance(manifest, str):
+        problems.append(manifest)
+    elif manifest.get("world_size") != nranks:
+        problems.append(f"written by {manifest.get('world_size')} ranks, this run has {nranks}")
+    else:
+        files = manifest["files"]
+        problems += [f"{TRAINER_STATE.format(rank=r)} is not in the manifest" for r in range(nranks)
+                     if TRAINER_STATE.format(rank=r) not in files]
+        names = sorted(files)
+        problems += [p for n in names[rank::world] if (p := _check_file(folder, n, files[n], checksums))]
+    merged: list[str] = []
+    for part in _all_gather(problems):
+        merged += [p for p in part if p not in merged]
+    return merged
+
+
+def newest_verified(ckpt_dir: Path, checksums: bool = True) -> tuple[Path | None, list[tuple[str, str]]]:
+    """(the newest checkpoint folder in `ckpt_dir` that verifies or None, [(name, why it was skipped)])."""
+    names = broadcast(sorted(p.name for p in ckpt_dir.iterdir()) if ckpt_dir.is_dir() else [])
+    skipped = [(n, "an interrupted save") for n in names if n.endswith(PARTIAL)]
+    for tag in sorted((n for n in names if step_of(n) is not None), key=step_of, reverse=True):
+        problems = verify(ckpt_dir / tag, checksums)
+        if not problems:
+            return ckpt_dir / tag, skipped
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        skipped.append((tag, "; ".join(problems[:3]) + more))
+    return None, skipped
+
+
+# ------------------------------------------------------------------------------------------------------- load
+def load(engine, folder: Path) -> dict[str, Any]:
+    """Load a verified checkpoint into the engine (model, optimizer, lr scheduler) and restore this rank's
+    RNG state; returns this rank's trainer state."""
+    rank, _ = rank_world()
+    load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name)
+    if load_path is None:
+        raise FileNotFoundError(f"DeepSpeed could not load checkpoint {folder}")
+    state = torch.load(folder / TRAINER_STATE.format(rank=rank), weights_only=False)
     _set_rng_state(state["rng"])
     return state

@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from fp8.linear import invalidate_fp8_weight_caches
 from ling.schedule import lr_multiplier
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
@@ -83,7 +84,8 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
         "gradient_accumulation_steps": int(cfg.train.grad_accum),
         "gradient_clipping": float(cfg.optim.grad_clip),
         "zero_optimization": zero,
-        "bf16": {"enabled": use_bf16},
+        # skip a step whose gradients are not finite (the non-finite guard relies on it, ling/guard.py)
+        "bf16": {"enabled": use_bf16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -137,6 +139,9 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
         with torch.device(device):
             model = LingForCausalLM(model_config)
     optimizer = build_optimizer(param_groups(model, float(cfg.optim.weight_decay)), cfg.optim)
+    # DeepSpeed writes updated weights through `.data` (no autograd version bump): after every optimizer step
+    # (whoever calls it: ZeRO's wrapper, a test, another loop) each FP8 weight cache is re-quantized once.
+    optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches())
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

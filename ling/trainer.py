@@ -1,9 +1,20 @@
-"""The train loop: data → model → DeepSpeed step → expert-bias update → metrics, checkpoints."""
+"""The train loop: data → model → DeepSpeed step (skipped when not finite) → expert-bias update → metrics,
+validation, checkpoints; plus resume, preemption and the closing summary.
+
+`train(cfg)` holds the run dir's lock, routes the logs and catches SIGTERM/SIGINT for the whole run; the
+`Trainer` does the work. Runs end normally (returning the last step's metrics) or with a `StopRun` carrying a
+message and an exit code: NonFiniteStop (3), Preempted (128 + signal), RunDirBusy / RunDirNotEmpty /
+CheckpointError (2).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import random
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -13,27 +24,27 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from data import build_loader
-from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
+from data.config import DataError
+from fp8.linear import FP8Linear
 from ling import checkpoint
+from ling.checkpoint import atomic_write, broadcast, rank_world
 from ling.engine import build_engine, model_config_from, resolve_device
-from ling.launch import init_distributed
-from ling.logger import MetricsLogger
+from ling.evaluate import evaluate
+from ling.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
+from ling.launch import StopRun, init_distributed
+from ling.logger import MetricsLogger, setup_logging, truncate_metrics
 from ling.metrics import flops_per_token, peak_memory_gib, peak_tflops
+from ling.preemption import Preempted, StopSignals
+from ling.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
+from model.moe import update_expert_biases
 from model.ling import count_parameters
 
-
-def _dist_info() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+log = logging.getLogger(__name__)
+FRESH = ("none", "null", "None", "")
 
 
-def _mean_across_ranks(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        values = values.clone()
-        dist.all_reduce(values)
-        values /= dist.get_world_size()
-    return values
+class CheckpointError(StopRun):
+    exit_code = 2
 
 
 def run_dir_from_hydra() -> Path:
@@ -46,114 +57,297 @@ def fp8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear)]
 
 
+def _sum_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        values = values.clone()
+        dist.all_reduce(values)
+    return values
+
+
+def _due(every: int, step: int, total: int) -> bool:
+    return every > 0 and (step % every == 0 or step == total)
+
+
 def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     """Run `cfg.train.steps` optimizer steps; returns the last step's metrics (rank-averaged)."""
     init_distributed()
-    rank, world = _dist_info()
+    rank, _ = rank_world()
     run_dir = Path(run_dir) if run_dir is not None else run_dir_from_hydra()
     run_dir.mkdir(parents=True, exist_ok=True)
-    tc = cfg.train
-    seed = int(tc.seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    device = resolve_device(cfg)
+    if cfg.train.on_locked not in ("fail", "wait"):
+        raise ValueError(f"train.on_locked={cfg.train.on_locked!r} is unknown (known: fail, wait)")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(setup_logging(run_dir, rank, cfg.logging.level, cfg.logging.deepspeed_level))
+        try:
+            stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
+            signals = stack.enter_context(StopSignals())
+            trainer = Trainer(cfg, run_dir, signals)
+            stack.callback(trainer.close)
+            return trainer.fit()
+        except StopRun as stop:  # a refusal, a preemption, too many non-finite steps: said once, by rank 0
+            if rank == 0:
+                log.log(logging.WARNING if stop.exit_code > 128 else logging.ERROR, "%s", stop)
+            raise
 
-    loader = build_loader(cfg.data, seq_len=int(tc.seq_len), micro_batch_size=int(tc.micro_batch_size),
-                          rank=rank, world_size=world, seed=seed)
-    model_config = model_config_from(cfg, getattr(loader, "vocab_size", None))
-    counts = count_parameters(model_config)
-    engine, scheduler = build_engine(cfg, model_config, device)
-    model = engine.module
 
-    total_steps = int(tc.steps)
-    ckpt_dir = Path(tc.checkpoint_dir) if tc.get("checkpoint_dir") else run_dir / "checkpoints"
-    start_step = 0
-    resume_from = str(tc.resume)
-    tag = None
-    if resume_from == "auto":
-        tag = checkpoint.latest_tag(ckpt_dir)
-    elif resume_from not in ("none", "null", "None", ""):
-        ckpt_dir = Path(resume_from)
-        tag = checkpoint.latest_tag(ckpt_dir)
-        if tag is None:
-            raise FileNotFoundError(f"train.resume={resume_from}: no 'latest' file in that folder")
-    if tag is not None:
-        state = checkpoint.load(engine, ckpt_dir, tag, rank)
-        start_step = int(state["step"])
-        loader.load_state_dict(state["loader"])
+class Trainer:
+    """Builds data, model and engine, resumes, and runs the loop (`fit`). All ranks construct one."""
 
-    logger = MetricsLogger(cfg, run_dir, total_steps, start_step, enabled=rank == 0)
-    if rank == 0:
-        (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    logger.print(f"model: {counts}; linears={model_config.precision}; ranks={world}; device={device}")
-    if tag is not None:
-        logger.print(f"resumed from {ckpt_dir / tag} at step {start_step}")
+    def __init__(self, cfg: DictConfig, run_dir: Path, signals: StopSignals) -> None:
+        init_distributed()
+        self.cfg, self.run_dir, self.signals = cfg, run_dir, signals
+        tc = self.tc = cfg.train
+        self.rank, self.world = rank_world()
+        self.total_steps = int(tc.steps)
+        self.ckpt_dir = Path(tc.checkpoint_dir) if tc.get("checkpoint_dir") else run_dir / "checkpoints"
+        resume_from = self._select_checkpoint()  # before the expensive builds: refusals come fast
 
-    accum = int(tc.grad_accum)
-    tokens_per_step = int(tc.micro_batch_size) * int(tc.seq_len) * accum * world
-    fpt = flops_per_token(model_config, counts, int(tc.seq_len))
-    peak = peak_tflops(device, tc.get("peak_tflops"))
-    health_every = int(cfg.fp8.get("health_every", 0) or 0)
-    fp8_layers = fp8_modules(model)
-    routers = model.routers()
-    bias_rate = model_config.bias_update_rate if tc.get("bias_update", True) else 0.0
-    save_every = int(tc.save_every or 0)
-    metrics: dict[str, Any] = {}
+        seed = int(tc.seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        self.device = resolve_device(cfg)
+        batch_args = {"seq_len": int(tc.seq_len), "micro_batch_size": int(tc.micro_batch_size),
+                      "rank": self.rank, "world_size": self.world, "seed": seed}
+        self.loader = build_loader(cfg.data, **batch_args)
+        self.val_loader = self._build_val_loader(batch_args)
+        self.model_config = model_config_from(cfg, getattr(self.loader, "vocab_size", None))
+        self.counts = count_parameters(self.model_config)
+        self.engine, self.scheduler = build_engine(cfg, self.model_config, self.device)
+        check_engine_can_skip(self.engine)
+        self.model = self.engine.module
+        self.guard = NonFiniteGuard(int(tc.max_bad_steps), frozenset(int(s) for s in tc.inject_nan_steps))
 
-    engine.train()
-    for step in range(start_step, total_steps):
-        collect = health_every > 0 and step % health_every == 0 and bool(fp8_layers)
-        for _, m in fp8_layers:
+        self.start_step, self.last_checkpoint, self.last_saved_step = 0, None, None
+        if resume_from is not None:
+            state = checkpoint.load(self.engine, resume_from)
+            self.start_step = self.last_saved_step = int(state["step"])
+            self.last_checkpoint = resume_from
+            self.loader.load_state_dict(state["loader"])
+            self.guard.load_state_dict(state.get("guard", {}))
+        if self.rank == 0:
+            dropped = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d lines after step %d (they are trained again)", dropped,
+                         self.start_step)
+            resolved = OmegaConf.to_yaml(cfg, resolve=True)
+            atomic_write(run_dir / "resolved_config.yaml", lambda tmp: tmp.write_text(resolved))
+        self.logger = MetricsLogger(cfg, run_dir, self.total_steps, self.start_step, enabled=self.rank == 0)
+
+        self.accum = int(tc.grad_accum)
+        self.tokens_per_step = int(tc.micro_batch_size) * int(tc.seq_len) * self.accum * self.world
+        self.flops_per_token = flops_per_token(self.model_config, self.counts, int(tc.seq_len))
+        self.peak = peak_tflops(self.device, tc.get("peak_tflops"))
+        self.health_every = int(cfg.fp8.get("health_every", 0) or 0)
+        self.fp8_layers = fp8_modules(self.model)
+        self.routers = self.model.routers()
+        self.bias_rate = self.model_config.bias_update_rate if tc.bias_update else 0.0
+        self.stop_requested = False
+        self.recent_losses: deque[float] = deque(maxlen=10)
+        self.val_metrics: dict[str, float] = {}
+        self.timed = [0, 0.0]  # steps and seconds of this session after its first step (tokens/s)
+        log.info("model: %s; linears=%s; ranks=%d; device=%s; run dir %s", self.counts, self.model_config.precision,
+                 self.world, self.device, run_dir)
+        if resume_from is not None:
+            log.info("resumed from %s at step %d", resume_from, self.start_step)
+
+    # ------------------------------------------------------------------------------------------ resume
+    def _select_checkpoint(self) -> Path | None:
+        """Apply the run-dir rules and pick the checkpoint to resume from (verified), or None."""
+        resume = str(self.tc.resume)
+        explicit = None if resume in FRESH or resume == "auto" else Path(resume).resolve()
+        found = broadcast(previous_run(self.run_dir, self.ckpt_dir) if self.rank == 0 else None)
+        foreign = explicit is not None and self.ckpt_dir.resolve() not in (explicit, *explicit.parents)
+        if found and (resume in FRESH or foreign):
+            if not self.tc.overwrite:
+                raise RunDirNotEmpty(f"train.resume={resume} but {self.run_dir} already holds a run "
+                                     f"({'; '.join(found)}): resume it with train.resume=auto, pick another "
+                                     "run_name, or set train.overwrite=true to delete it")
+            if self.rank == 0:
+                log.warning("train.overwrite=true: deleting the earlier run in %s (%s)", self.run_dir, "; ".join(found))
+                clear_previous_run(self.run_dir, self.ckpt_dir)
+            checkpoint.barrier()
+        if resume in FRESH:
+            return None
+        checksums = bool(self.tc.verify_checksums)
+        if explicit is not None and (checkpoint.step_of(explicit.name) is not None
+                                     or (explicit / checkpoint.MANIFEST).exists()):
+            problems = checkpoint.verify(explicit, checksums)
+            if problems:
+                raise CheckpointError(f"train.resume={explicit}: the checkpoint does not verify: {'; '.join(problems)}")
+            return explicit
+        folder, skipped = checkpoint.newest_verified(explicit or self.ckpt_dir, checksums)
+        for name, why in skipped:
+            log.warning("resume: skipping checkpoint %s: %s", name, why)
+        if folder is None and (explicit is not None or any(not n.endswith(checkpoint.PARTIAL) for n, _ in skipped)):
+            where = explicit or self.ckpt_dir
+            raise CheckpointError(f"train.resume={resume}: no checkpoint in {where} verifies (see above); move the "
+                                  "damaged ones away, or start over with train.resume=none train.overwrite=true")
+        return folder
+
+    def _build_val_loader(self, batch_args: dict[str, Any]):
+        if int(self.tc.eval_every) <= 0:
+            return None
+        if self.cfg.data.get("name") == "synthetic":
+            log.info("validation: data=synthetic has no held-out split; train.eval_every is ignored")
+            return None
+        try:
+            loader = build_loader(self.cfg.data, split="val", **batch_args)
+        except DataError as e:
+            log.info("validation off: %s", e)
+            return None
+        self.val_start = loader.state_dict()
+        return loader
+
+    # ------------------------------------------------------------------------------------------- loop
+    def fit(self) -> dict[str, Any]:
+        tc, total = self.tc, self.total_steps
+        metrics: dict[str, Any] = {}
+        self.engine.train()
+        for step in range(self.start_step + 1, total + 1):
+            metrics = self.train_step(step)
+            stopping = self.stop_requested and step < total
+            if _due(int(tc.eval_every), step, total) and not stopping:
+                metrics.update(self.validate())
+            if step % int(tc.log_every) == 0 or step == total or metrics["skipped"] or stopping:
+                self.logger.log(step, metrics)
+            if self.guard.exhausted:
+                self._summary(step, "non-finite steps")
+                raise NonFiniteStop(self._nonfinite_message(step))
+            save_every = int(tc.save_every or 0)
+            if (save_every and step % save_every == 0) or (step == total and tc.save_final) or stopping:
+                self.save(step)
+            if stopping:
+                self._summary(step, f"stopped by {self.signals.name}")
+                raise Preempted(self._preempted_message(step), self.signals.signum)
+        self._summary(total, "completed")
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Optimizer step `step` (1-based; grad_accum micro-batches); returns its metrics, rank-averaged."""
+        engine, device = self.engine, self.device
+        collect = self.health_every > 0 and (step - 1) % self.health_every == 0 and bool(self.fp8_layers)
+        for _, m in self.fp8_layers:
             m.collect_health = collect
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, lm_loss, mtp_loss, z_loss (NCCL: on GPU)
-        for _ in range(accum):
-            batch = {k: v.to(device, non_blocking=True) for k, v in loader.next_batch().items()}
+        sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, lm, mtp, z; stop flag (NCCL: on GPU)
+        for _ in range(self.accum):
+            batch = {k: v.to(device, non_blocking=True) for k, v in self.loader.next_batch().items()}
             out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
-            engine.backward(out.loss)
+            loss = self.guard.loss_for_backward(out.loss, step)  # = out.loss when finite, else NaN
+            engine.backward(loss)
             engine.step()
-            parts = [out.loss, out.lm_loss, out.mtp_loss if out.mtp_loss is not None else out.loss * 0, out.z_loss]
-            sums += torch.stack([p.detach().double() for p in parts])
-        if fp8_layers:
-            # DeepSpeed ZeRO writes the updated weights through `.data`, which autograd's version counter does
-            # not see: drop the FP8 weight caches so each FP8Linear re-quantizes once for the next step.
-            invalidate_fp8_weight_caches()
-        loads = [r.update_expert_bias(bias_rate) for r in routers]
+            parts = [loss, out.lm_loss, out.mtp_loss if out.mtp_loss is not None else loss * 0, out.z_loss]
+            sums[:4] += torch.stack([p.detach().double() for p in parts])
+        applied = engine.was_step_applied()
+        # a skipped step leaves the expert biases alone; rate 0 only clears the step's token counts
+        loads = update_expert_biases(self.routers, self.bias_rate if applied else 0.0)  # one all-reduce for all
+        sums[4] = 1.0 if self.signals.signum else 0.0
+        totals = _sum_across_ranks(sums).tolist()  # the step's one host sync (plus DeepSpeed's own)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
-        avg = _mean_across_ranks(sums / accum)
+        self.stop_requested = totals[4] > 0
+        loss, lm_loss, mtp_loss, z_loss = (v / (self.accum * self.world) for v in totals[:4])
         grad_norm = engine.get_global_grad_norm()
-        tokens_per_s = tokens_per_step / dt
-        metrics = {
-            "loss": float(avg[0]), "lm_loss": float(avg[1]),
-            "mtp_loss": float(avg[2]) if model_config.num_mtp_layers > 0 else None,
-            "z_loss": float(avg[3]),
-            "lr": float(scheduler.get_last_lr()[0]),
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        skipped = self.guard.record(step, applied, loss, grad_norm)
+        if skipped:
+            log.warning("step %d: loss %s, grad norm %s: not finite, step skipped (nothing updated; %d in a row, "
+                        "%d in all, train.max_bad_steps=%d)", step, loss, grad_norm, self.guard.streak,
+                        self.guard.total, self.guard.max_bad_steps)
+        else:
+            self.recent_losses.append(loss)
+        if step > self.start_step + 1:
+            self.timed[0] += 1
+            self.timed[1] += dt
+        tokens_per_s = self.tokens_per_step / dt
+        metrics: dict[str, Any] = {
+            "loss": loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss if self.model_config.num_mtp_layers > 0 else None,
+            "z_loss": z_loss, "lr": float(self.scheduler.get_last_lr()[0]), "grad_norm": grad_norm,
             "step_time_s": dt, "tokens_per_s": tokens_per_s,
-            "tflops_per_gpu": fpt * tokens_per_s / world / 1e12,
-            "peak_mem_gib": peak_memory_gib(device),
+            "tflops_per_gpu": self.flops_per_token * tokens_per_s / self.world / 1e12,
+            "peak_mem_gib": peak_memory_gib(device), "skipped": skipped, "nonfinite_steps": self.guard.total,
         }
-        if peak:
-            metrics["mfu"] = metrics["tflops_per_gpu"] / peak
+        if self.peak:
+            metrics["mfu"] = metrics["tflops_per_gpu"] / self.peak
         if loads:
             max_over_mean = [s["max_over_mean"] for s in loads]
             metrics["expert_load_max_over_mean"] = float(np.mean(max_over_mean))
             metrics["expert_load_max_over_mean_worst"] = float(np.max(max_over_mean))
         if collect:
-            metrics.update(_health_metrics(fp8_layers))
-        done = step + 1
-        if done % int(tc.log_every) == 0 or done == total_steps:
-            logger.log(done, metrics)
-        if (save_every and done % save_every == 0) or (done == total_steps and tc.get("save_final", True)):
-            checkpoint.save(engine, ckpt_dir, done, {"loader": loader.state_dict()}, rank,
-                            int(tc.get("keep_last", 2)))
-    logger.close()
-    return metrics
+            metrics.update(_health_metrics(self.fp8_layers))
+            for _, m in self.fp8_layers:
+                m.collect_health = False
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Validation losses (`val_` + evaluate's keys) over the same `train.eval_batches` batches each time."""
+        if self.val_loader is None:
+            return {}
+        self.val_loader.load_state_dict(self.val_start)
+        n = int(self.tc.eval_batches)
+        batches = (self.val_loader.next_batch() for _ in range(n))
+        self.val_metrics = {f"val_{k}": v for k, v in evaluate(self.model, batches, self.device, max_batches=n).items()}
+        return self.val_metrics
+
+    def save(self, step: int) -> None:
+        if self.last_saved_step == step:
+            return
+        if self.guard.streak > 0:
+            log.warning("step %d: no checkpoint after a non-finite step; the last good one stays %s", step,
+                        self.last_checkpoint or "none (none was written yet)")
+            return
+        t0 = time.perf_counter()
+        state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
+        self.last_checkpoint = checkpoint.save(self.engine, self.ckpt_dir, step, state, int(self.tc.keep_last))
+        self.last_saved_step = step
+        log.info("saved checkpoint %s (%.1f s)", self.last_checkpoint, time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------------------------------- the end
+    def _nonfinite_message(self, step: int) -> str:
+        g = self.guard
+        return (f"stopping after step {step}: {g.streak} non-finite steps in a row (steps {g.streak_start}-{step}; "
+                f"last loss {g.last.get('loss')}, grad norm {g.last.get('grad_norm')}; train.max_bad_steps="
+                f"{g.max_bad_steps}). They updated nothing; the last good checkpoint is "
+                f"{self.last_checkpoint or 'none (none was written yet)'}. Fix the cause (e.g. a lower optim.lr) "
+                "and resume with train.resume=auto.")
+
+    def _preempted_message(self, step: int) -> str:
+        saved = (f"saved {self.last_checkpoint}" if self.last_saved_step == step
+                 else f"not saved (the last step was not finite); the last good checkpoint is {self.last_checkpoint}")
+        return (f"received {self.signals.name}: stopped after step {step}/{self.total_steps}, {saved}. Resume with "
+                f"the same command and run_name={self.cfg.run_name} (train.resume=auto).")
+
+    def _summary(self, step: int, outcome: str) -> dict[str, Any]:
+        """Log the closing summary and write it to <run dir>/summary.json (rank 0)."""
+        steps_timed, seconds = self.timed
+        summary = {
+            "run_dir": str(self.run_dir), "outcome": outcome, "step": step, "total_steps": self.total_steps,
+            "nonfinite_steps": self.guard.total,
+            "train_loss": self.recent_losses[-1] if self.recent_losses else None,
+            "train_loss_mean_last_10": float(np.mean(self.recent_losses)) if self.recent_losses else None,
+            "val_loss": self.val_metrics.get("val_loss"),
+            "tokens_per_s": self.tokens_per_step * steps_timed / seconds if seconds else None,
+            "peak_mem_gib": peak_memory_gib(self.device),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+        }
+        if self.rank == 0:
+            atomic_write(self.run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+            fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+            log.info("run %s: %s at step %d/%d (%d non-finite steps skipped)", self.run_dir, outcome, step,
+                     self.total_steps, self.guard.total)
+            log.info("  train loss %s (mean of the last 10: %s) | val loss %s | %s tokens/s | peak memory %s GiB",
+                     fmt(summary["train_loss"], ".4f"), fmt(summary["train_loss_mean_last_10"], ".4f"),
+                     fmt(summary["val_loss"], ".4f"), fmt(summary["tokens_per_s"], ",.0f"),
+                     fmt(summary["peak_mem_gib"], ".2f"))
+            log.info("  checkpoint %s", summary["checkpoint"] or "none")
+        return summary
+
+    def close(self) -> None:
+        self.logger.close()
 
 
 def _health_metrics(fp8_layers) -> dict[str, float]:

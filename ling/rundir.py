@@ -1,0 +1,108 @@
+"""One run per directory: a lock that rank 0 holds for the run's lifetime, and what may already be there.
+
+The lock is `fcntl.flock` on `<run dir>/.lock` (released by the kernel when the process dies, even by
+SIGKILL, so a crashed run never leaves a stale lock); the file names the holder for the refusal message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from ling.checkpoint import broadcast, rank_world, step_of
+from ling.launch import StopRun
+
+log = logging.getLogger(__name__)
+
+
+class RunDirBusy(StopRun):
+    exit_code = 2
+
+
+class RunDirNotEmpty(StopRun):
+    exit_code = 2
+
+
+class RunDirLock:
+    """An exclusive, non-blocking lock on `<run_dir>/.lock`."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / ".lock"
+        self.file: IO[str] | None = None
+
+    def try_acquire(self) -> str | None:
+        """None when this process now holds the lock; otherwise who holds it (pid, host, since when)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 (kept open while the lock is held)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            return holder
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self.file = f
+        return None
+
+    def release(self) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+            self.file = None
+
+
+@contextmanager
+def locked_run_dir(run_dir: Path, wait: bool = False, poll_s: float = 5.0) -> Iterator[None]:
+    """Hold the run dir's lock for the block (collective: rank 0 locks, all ranks learn the outcome).
+
+    Held by another process: raise RunDirBusy, or with `wait` poll every `poll_s` seconds until it is free
+    (one small broadcast per poll, so no collective times out while waiting).
+    """
+    rank, _ = rank_world()
+    lock = RunDirLock(run_dir) if rank == 0 else None
+    waiting = False
+    while (holder := broadcast(lock.try_acquire() if lock else None)) is not None:
+        if not wait:
+            raise RunDirBusy(f"run dir {run_dir} is in use by {holder} (it holds {run_dir / '.lock'}); "
+                             "pick another run_name, wait for that run to end, or set train.on_locked=wait")
+        if not waiting:
+            log.warning("run dir %s is in use by %s; waiting for it (train.on_locked=wait)", run_dir, holder)
+            waiting = True
+        time.sleep(poll_s)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def previous_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
+    """What an earlier run left in the run dir: its metrics and checkpoints, described for a message."""
+    found = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(f"metrics.jsonl ({len(metrics.read_text().splitlines())} lines)")
+    if ckpt_dir.is_dir():
+        tags = sorted(p.name for p in ckpt_dir.iterdir() if step_of(p.name.split(".")[0]) is not None)
+        if tags:
+            found.append(f"{ckpt_dir.name}/ ({', '.join(tags)})")
+    return found
+
+
+def clear_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
+    """Delete an earlier run's metrics, summary and checkpoints (train.overwrite=true); rank 0 only."""
+    for name in ("metrics.jsonl", "summary.json"):
+        (run_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
