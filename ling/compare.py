@@ -8,7 +8,8 @@ lag-1 autocorrelation of the residuals, which neighbouring steps of two training
 plots, `report.md` and `summary.json` in one folder.
 
     python eval.py compare RUN_FP8 RUN_BF16 [--out DIR]
-    python eval.py compare --pairs 'runs/parity/s*_fp8:runs/parity/s*_bf16' --noise runs/parity/s1_bf16:runs/parity/s1_bf16_rerun
+    python eval.py compare --pairs 'runs/parity/s*_fp8:runs/parity/s*_bf16' \
+        --noise runs/parity/s1_bf16:runs/parity/s1_bf16_rerun
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class Run:
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) where `key` was logged."""
         if key not in self.metrics:
-            raise KeyError(f"run {self.path}: metrics.jsonl has no {key!r} (keys: {', '.join(sorted(self.metrics)[:12])})")
+            known = ", ".join(sorted(self.metrics)[:12])
+            raise KeyError(f"run {self.path}: metrics.jsonl has no {key!r} (keys: {known})")
         v = self.metrics[key]
         ok = np.isfinite(v)
         return self.steps[ok], v[ok]
@@ -400,8 +402,8 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
     if len(comp.pairs) > 1:
         m, a = comp.mean_rel, comp.mean_abs_rel
         lines.append(f"| **mean over {m['n']} seeds** (± std; min … max) | | | {_pct(m['mean'])} ± "
-                     f"{_pct(m['std']).lstrip('+')} ({_pct(m['min'])} … {_pct(m['max'])}) | {_pct(a['mean']).lstrip('+')} ± "
-                     f"{_pct(a['std']).lstrip('+')} | | | |")
+                     f"{_pct(m['std']).lstrip('+')} ({_pct(m['min'])} … {_pct(m['max'])}) | "
+                     f"{_pct(a['mean']).lstrip('+')} ± {_pct(a['std']).lstrip('+')} | | | |")
     lines += [_row(p).replace("| ", "| noise: ", 1) for p in comp.noise]
     lines += ["", "**Verdict.** " + verdict(comp), ""]
     lines += ["## Plots", ""]

@@ -15,7 +15,8 @@ STEPS = 200
 
 
 def _config(**changes) -> dict:
-    conf = {"run_name": "x", "train": {"steps": STEPS, "seed": 1, "seq_len": 256}, "optim": {"name": "adamw", "lr": 3e-4},
+    conf = {"run_name": "x", "train": {"steps": STEPS, "seed": 1, "seq_len": 256},
+            "optim": {"name": "adamw", "lr": 3e-4},
             "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "health_every": 0},
             "model": {"hidden_size": 128}}
     node = OmegaConf.create(conf)
@@ -164,7 +165,8 @@ def test_configs_differing_beyond_precision_warn_with_the_list(tmp_path):
     b = write_run(tmp_path, "bf16", base, _config())
     a = write_run(tmp_path, "fp8", base, _config(**{"precision.name": "fp8", "optim.lr": 1e-3,
                                                       "train.seq_len": 512}))
-    with pytest.warns(compare.ConfigMismatchWarning, match=r"optim.lr: 0.001 vs 0.0003; train.seq_len: 512 vs 256") as w:
+    listed = r"optim.lr: 0.001 vs 0.0003; train.seq_len: 512 vs 256"
+    with pytest.warns(compare.ConfigMismatchWarning, match=listed) as w:
         comp = compare.compare([(a, b)], out_dir=tmp_path / "out")
     assert "precision.name" not in str(w[0].message)
     flagged = {k for k, *_, ok in comp.pairs[0].config_differences if not ok}
