@@ -136,6 +136,10 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     else:
         with torch.device(device):
             model = LingForCausalLM(model_config)
+    if cfg.train.get("init_from"):  # start from an HF (BailingMoeV2) checkpoint: exported or published weights
+        from ling.hf import load_hf_checkpoint
+
+        load_hf_checkpoint(model, cfg.train.init_from)
     optimizer = build_optimizer(param_groups(model, float(cfg.optim.weight_decay)), cfg.optim)
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))

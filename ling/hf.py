@@ -397,7 +397,7 @@ def _tokenizer_ids(path: str) -> dict[str, Any]:
     ids = {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id,
            "unk_token_id": tok.unk_id}
     meta: dict[str, Any] = {k: (v if v is not None and v >= 0 else None) for k, v in ids.items()}
-    meta["tokens"] = {k.removesuffix("_id"): tok.id_to_token(v) for k, v in meta.items() if v is not None}
+    meta["tokens"] = {k.removesuffix("_token_id"): tok.id_to_token(v) for k, v in meta.items() if v is not None}
     meta["vocab_size"] = tok.vocab_size
     return meta
 
