@@ -166,7 +166,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     from data import build_loader
     from ling.engine import model_config_from
     from ling.launch import init_distributed, world_size
-    from ling.weights import find_checkpoint, load_into, read_model_state
+    from ling.weights import config_changes, find_checkpoint, load_into, read_model_state
     from model.ling import LingForCausalLM
 
     if world_size() > 1:
@@ -210,7 +210,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     with torch.device(device):
         model = LingForCausalLM(model_config).to(dtype)
     if state is not None:
-        load_into(model, state, f"checkpoint {ref.folder}")
+        load_into(model, state, f"checkpoint {ref.folder}", config_changes(ref.model_config(state), model_config))
         del state
     else:
         load_hf_checkpoint(model, source)

@@ -106,9 +106,18 @@ def name_list(names: list[str], limit: int = 10) -> str:
     return ", ".join(names[:limit]) + more + f" ({len(names)} in all)"
 
 
-def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+def config_changes(saved: ModelConfig, asked: ModelConfig) -> list[str]:
+    """'model.hidden_size: 128 in the checkpoint's run, 256 asked' for each ModelConfig field that differs."""
+    import dataclasses
+
+    return [f"model.{f.name}: {getattr(saved, f.name)!r} in the checkpoint's run, {getattr(asked, f.name)!r} asked"
+            for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(asked, f.name)]
+
+
+def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+              changes: list[str] = ()) -> None:
     """Copy `state` into `model` exactly (cast to each tensor's dtype); a checkpoint of another model config
-    raises naming every missing, unexpected and mis-shaped tensor."""
+    raises naming every missing, unexpected and mis-shaped tensor (and the config `changes` that explain it)."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -118,8 +127,8 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
         + ([f"unexpected tensors: {name_list(unexpected)}"] if unexpected else []) \
         + ([f"other shapes: {name_list(shapes, 6)}"] if shapes else [])
     if problems:
-        raise ValueError(f"{source} holds the weights of another model config than the one asked for "
-                         f"({model.config}):\n  " + "\n  ".join(problems))
+        raise ValueError(f"{source} holds the weights of another model config than the one asked for:\n  "
+                         + "\n  ".join([*changes, *problems]))
     model.load_state_dict(state, strict=True)
 
 
