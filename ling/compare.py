@@ -433,8 +433,12 @@ def verdict(comp: Comparison) -> str:
     else:
         parts.append(f"{'within' if comp.within_noise else 'NOT within'} the BF16-vs-BF16 noise floor "
                      f"(mean abs. rel. diff {_pct(comp.noise_floor).lstrip('+')})")
-    parts.append("upward trend (slope CI above 0) in: " + ", ".join(comp.upward_trend) if comp.upward_trend
-                 else "no upward trend (every slope CI reaches 0 or below)")
+    if comp.upward_trend:
+        parts.append("upward trend (slope CI above 0) in: " + ", ".join(comp.upward_trend))
+    elif any(not math.isfinite(p.slope.per_step) for p in comp.pairs):
+        parts.append("no slope for windows of fewer than 3 steps")
+    else:
+        parts.append("no upward trend (every slope CI reaches 0 or below)")
     return "; ".join(parts) + "."
 
 

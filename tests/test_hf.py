@@ -357,10 +357,14 @@ def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------ train.py
-def _train(run_dir: Path, *overrides: str) -> None:
+def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "train.py", "+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512",
+    from tests.test_train_loop import free_port
+
+    launch = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"] \
+        if nproc > 1 else []
+    cmd = [sys.executable, *launch, "train.py", "+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512",
            "logging.wandb.mode=disabled", "logging.progress_bar=false", "train.seq_len=32", "train.micro_batch_size=2",
            "model.num_layers=2", f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -388,3 +392,21 @@ def test_cli_export_and_train_init_from(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_train_init_from_under_zero3_two_ranks(tmp_path):
+    """ZeRO-3 partitions the parameters at construction; init_from gathers each one, writes it on rank 0 and
+    re-partitions. Read back through zero_to_fp32 (the ZeRO-3 checkpoint path of ling.weights)."""
+    from ling.weights import find_checkpoint, read_model_state
+
+    _train(tmp_path / "a", "train.steps=1")
+    state = read_model_state(find_checkpoint(tmp_path / "a").folder)
+    hf.save_hf(state, hf.model_config_from_hf(hf.hf_config(find_checkpoint(tmp_path / "a").model_config(state))),
+               tmp_path / "hf", dtype=torch.float32)
+    _train(tmp_path / "z3", "train.steps=1", "optim.lr=0", "train.bias_update=false", "deepspeed=zero3",
+           f"train.init_from={tmp_path / 'hf'}", nproc=2)
+    z3 = read_model_state(find_checkpoint(tmp_path / "z3").folder)
+    assert z3.keys() == state.keys()
+    for k in state:
+        assert torch.equal(z3[k], state[k]), k
