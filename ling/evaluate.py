@@ -83,8 +83,9 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], de
             if out.logits is None:
                 raise RuntimeError("the model returned no logits; evaluate needs them for the accuracy")
             lm = _sums(out.logits, labels)
-            extra = [out.z_loss if out.z_loss is not None else 0.0, out.aux_loss if out.aux_loss is not None else 0.0]
-            parts = [lm, torch.as_tensor(extra, dtype=torch.float64, device=device) * lm[1]]
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            router = torch.stack([zero if x is None else x.detach().double() for x in (out.z_loss, out.aux_loss)])
+            parts = [lm, router * lm[1]]
             for d, mtp_logits in enumerate(out.mtp_logits[:depths], start=1):
                 parts.append(_sums(mtp_logits, shift_left(labels, d, IGNORE_INDEX)))
             totals += torch.cat(parts)
