@@ -36,7 +36,7 @@ from data.tokenizer import Tokenizer
 PACK_FORMAT = 1
 log = logging.getLogger(__name__)
 
-_SP_CACHE: dict[str, Any] = {}
+_TOK_CACHE: dict[str, Tokenizer] = {}
 
 
 def _encode_batch(batch: dict[str, list], model_path: str, eos_id: int, bos_id: int,
@@ -44,13 +44,11 @@ def _encode_batch(batch: dict[str, list], model_path: str, eos_id: int, bos_id: 
     """datasets.map worker: a batch of texts -> ONE row holding their ids back to back, each document
     followed by EOS (and preceded by BOS if asked), as int32. One row per batch keeps Arrow's per-row cost
     off the hot path; `n_docs` counts the documents in it."""
-    sp = _SP_CACHE.get(model_path)
-    if sp is None:
-        import sentencepiece as spm
-
-        sp = _SP_CACHE[model_path] = spm.SentencePieceProcessor(model_file=model_path)
+    tok = _TOK_CACHE.get(model_path)
+    if tok is None:
+        tok = _TOK_CACHE[model_path] = Tokenizer(model_path)
     out = []
-    for ids in sp.encode(batch["text"]):
+    for ids in tok.encode(batch["text"]):
         arr = np.empty(len(ids) + 1 + add_bos, dtype=np.int32)
         if add_bos:
             arr[0] = bos_id

@@ -1,4 +1,5 @@
-"""Sentencepiece tokenizer: train a BPE model on the corpus (cached by a hash of its inputs) or load one.
+"""Tokenizer: train a sentencepiece BPE model on the corpus (cached by a hash of its inputs), or load one
+(a sentencepiece `.model` or a Hugging Face `tokenizer.json`).
 
 Training keeps text exact so every document round-trips: identity normalisation, no whitespace collapsing,
 whitespace-only pieces allowed (code indentation), "\\n" a piece of its own, digits split, and byte fallback
@@ -26,32 +27,94 @@ TOKENIZER_FORMAT = 1
 
 
 class Tokenizer:
-    """A loaded sentencepiece model with the ids the packer and loader need."""
+    """A loaded tokenizer with the ids the packer and loader need: a sentencepiece `.model`, or a Hugging Face
+    `tokenizer.json` (the `tokenizers` library, e.g. Ling's own tokenizer).
+
+    For a tokenizer.json the special tokens come from `tokenizer_config.json` / `special_tokens_map.json`
+    beside it (as Hugging Face ships them), else from the usual names (`<|endoftext|>`, `</s>`, ...); EOS is
+    required. Without a distinct pad token, pad = EOS (the loader then ignores EOS targets too).
+    """
 
     def __init__(self, model_path: str) -> None:
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"tokenizer model {model_path!r}: no such file")
         self.model_path = os.path.abspath(model_path)
-        self.sp = spm.SentencePieceProcessor()
-        try:
-            self.sp.load(self.model_path)
-        except (OSError, RuntimeError) as e:
-            raise DataError(f"tokenizer model {model_path!r} is not a sentencepiece model: {e}") from e
-        self.vocab_size = int(self.sp.get_piece_size())
-        self.eos_id = int(self.sp.eos_id())
-        self.bos_id = int(self.sp.bos_id())
-        self.pad_id = int(self.sp.pad_id())
-        self.unk_id = int(self.sp.unk_id())
+        self.kind = "hf" if model_path.endswith(".json") else "sentencepiece"
+        if self.kind == "hf":
+            self._load_hf()
+        else:
+            self._load_sentencepiece()
         if self.eos_id < 0:
             raise DataError(f"tokenizer model {model_path!r} has no EOS piece; documents need one")
         with open(self.model_path, "rb") as f:
             self.hash = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
 
+    def _load_sentencepiece(self) -> None:
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.load(self.model_path)
+        except (OSError, RuntimeError) as e:
+            raise DataError(f"tokenizer model {self.model_path!r} is not a sentencepiece model: {e}") from e
+        self.vocab_size = int(self.sp.get_piece_size())
+        self.eos_id = int(self.sp.eos_id())
+        self.bos_id = int(self.sp.bos_id())
+        self.pad_id = int(self.sp.pad_id())
+        self.unk_id = int(self.sp.unk_id())
+
+    def _load_hf(self) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self.hf = HFTokenizer.from_file(self.model_path)
+        except Exception as e:  # the Rust library raises its own exception type
+            raise DataError(f"tokenizer {self.model_path!r} is not a Hugging Face tokenizer.json: {e}") from e
+        self.vocab_size = int(self.hf.get_vocab_size(with_added_tokens=True))
+        named = _hf_special_tokens(os.path.dirname(self.model_path))
+
+        def token_id(kind: str, fallbacks: tuple[str, ...]) -> int:
+            for token in ([named[kind]] if kind in named else []) + list(fallbacks):
+                tid = self.hf.token_to_id(token)
+                if tid is not None:
+                    return int(tid)
+            return -1
+
+        self.eos_id = token_id("eos", ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>"))
+        self.bos_id = token_id("bos", ("<|startoftext|>", "<s>", "<bos>", "<|begin_of_text|>"))
+        self.unk_id = token_id("unk", ("<unk>", "[UNK]"))
+        self.pad_id = token_id("pad", ("<pad>", "[PAD]", "<|pad|>"))
+        if self.pad_id < 0:
+            self.pad_id = self.eos_id
+
     def encode(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        if self.kind == "hf":
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
         return self.sp.encode(texts, num_threads=num_threads)
 
     def decode(self, ids: list[int]) -> str:
+        if self.kind == "hf":
+            return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
         return self.sp.decode([int(i) for i in ids])
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.hf.id_to_token(token_id) if self.kind == "hf" else self.sp.id_to_piece(token_id)
+
+
+def _hf_special_tokens(folder: str) -> dict[str, str]:
+    """{"eos": "<|endoftext|>", ...} from tokenizer_config.json / special_tokens_map.json in `folder`."""
+    out: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            conf = json.load(f)
+        for kind in ("eos", "bos", "unk", "pad"):
+            tok = conf.get(f"{kind}_token")
+            if isinstance(tok, dict):  # {"content": "...", "lstrip": ...}
+                tok = tok.get("content")
+            if isinstance(tok, str):
+                out.setdefault(kind, tok)
+    return out
 
 
 def _training_sentences(ds: datasets.Dataset, cfg: TokenizerConfig, seed: int) -> list[str]:
@@ -122,12 +185,20 @@ def train_tokenizer(ds: datasets.Dataset, cfg: TokenizerConfig, out_path: str, s
 
 def get_tokenizer(cfg: TokenizerConfig, train_ds: datasets.Dataset | None, corpus_fingerprint: str,
                   cache_dir: str, seed: int = 0) -> Tokenizer:
-    """Load `cfg.model`, or the cached model trained on this corpus with this config (training it once).
+    """Load `cfg.model` (a sentencepiece `.model`, a `tokenizer.json`, or a folder holding one), or the cached
+    model trained on this corpus with this config (training it once).
 
     Concurrent processes are safe: one trains under a file lock, the others wait and then load it.
     """
     if cfg.model:
         path = os.path.expanduser(cfg.model)
+        if os.path.isdir(path):  # a Hugging Face model folder: its tokenizer.json, else its tokenizer.model
+            found = [os.path.join(path, f) for f in ("tokenizer.json", "tokenizer.model")
+                     if os.path.isfile(os.path.join(path, f))]
+            if not found:
+                raise FileNotFoundError(f"data.tokenizer.model={cfg.model!r}: folder without tokenizer.json "
+                                        "or tokenizer.model")
+            path = found[0]
         if not os.path.isfile(path):
             raise FileNotFoundError(f"data.tokenizer.model={cfg.model!r}: no such file")
         return Tokenizer(path)

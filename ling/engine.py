@@ -138,6 +138,10 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     else:
         with torch.device(device):
             model = LingForCausalLM(model_config)
+    if cfg.train.get("init_from"):  # start from an HF (BailingMoeV2) checkpoint: exported or published weights
+        from ling.hf import load_hf_checkpoint
+
+        load_hf_checkpoint(model, cfg.train.init_from)
     optimizer = build_optimizer(param_groups(model, float(cfg.optim.weight_decay)), cfg.optim)
     # DeepSpeed writes updated weights through `.data` (no autograd version bump): after every optimizer step
     # (whoever calls it: ZeRO's wrapper, a test, another loop) each FP8 weight cache is re-quantized once.

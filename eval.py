@@ -1,0 +1,33 @@
+"""Evaluate a checkpoint, or compare runs.
+
+    python eval.py checkpoint=runs/NAME [precision=bf16] [data=bundled] [batches=N] [key=value ...]   (Hydra)
+    python eval.py compare RUN_FP8 RUN_BF16 [--out DIR]                    one FP8 run against its BF16 twin
+    python eval.py compare --pairs F1:B1 F2:B2 --noise B1:B1b [--out DIR]  several seeds + the noise floor
+"""
+
+import sys
+
+from ling.launch import add_shared_run_overrides, strip_local_rank_arg
+
+if len(sys.argv) > 1 and sys.argv[1] == "compare":
+    from ling.compare import main as compare_main
+
+    compare_main(sys.argv[2:])
+    sys.exit(0)
+
+strip_local_rank_arg()  # the deepspeed launcher's --local_rank must not reach Hydra
+add_shared_run_overrides()
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+
+@hydra.main(config_path="conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from ling.evaluate import run_eval
+
+    run_eval(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,519 @@
+"""Compare training runs: an FP8 run against its BF16 twin (and several seeds, and a BF16-vs-BF16 noise floor).
+
+From each run dir: `metrics.jsonl` (per-step loss, FP8 health), `resolved_config.yaml` and the newest
+held-out result of eval.py (`eval/*.json`). For each pair (candidate A, baseline B) on the steps both logged:
+rel_s = (loss_A − loss_B) / loss_B; over the last `window` fraction of those steps its mean, mean |rel| and
+the slope of rel against the step with a 95 % confidence interval (OLS, the standard error widened for the
+lag-1 autocorrelation of the residuals, which neighbouring steps of two training runs have). Output: PNG
+plots, `report.md` and `summary.json` in one folder.
+
+    python eval.py compare RUN_FP8 RUN_BF16 [--out DIR]
+    python eval.py compare --pairs 'runs/parity/s*_fp8:runs/parity/s*_bf16' \
+        --noise runs/parity/s1_bf16:runs/parity/s1_bf16_rerun
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+# Config keys two runs of a comparison may differ in without a warning: what makes the FP8 / BF16 twin (the
+# precision recipe, the optimizer's moment format), the seed of a seed sweep, and bookkeeping.
+EXPECTED_DIFFERENCES = ("run_name", "precision.", "fp8.", "optim.name", "optim.block_size", "optim.min_fp8_numel",
+                        "train.seed", "data.seed", "logging.", "train.checkpoint_dir", "train.resume")
+HEALTH_KINDS = ("act", "grad", "gradT", "weight")
+HEALTH_STATS = ("underflow", "distortion")
+TARGET_REL_DIFF = 1e-3  # Ling 2.0 reports about 0.1 % between FP8 and BF16 loss
+
+
+class ConfigMismatchWarning(UserWarning):
+    """Two compared runs differ in more than precision / optimizer / seed / run name."""
+
+
+@dataclass
+class Run:
+    """One run dir's logs: metrics by step (the last record of a step wins, as after a resume)."""
+
+    path: Path
+    name: str
+    config: dict[str, Any]  # flattened resolved config: {"train.steps": 1000, ...}
+    steps: np.ndarray  # int64 [S], increasing
+    metrics: dict[str, np.ndarray]  # key → float64 [S] (NaN where the step did not log it)
+    held_out: dict[str, Any] | None  # the newest eval.py record of this run's precision, if any
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) where `key` was logged."""
+        if key not in self.metrics:
+            known = ", ".join(sorted(self.metrics)[:12])
+            raise KeyError(f"run {self.path}: metrics.jsonl has no {key!r} (keys: {known})")
+        v = self.metrics[key]
+        ok = np.isfinite(v)
+        return self.steps[ok], v[ok]
+
+    @property
+    def precision(self) -> str | None:
+        return self.config.get("precision.name")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a run dir; raises naming the missing file or an empty log."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"run {p}: no such folder")
+    log = p / "metrics.jsonl"
+    if not log.is_file():
+        raise FileNotFoundError(f"run {p}: no metrics.jsonl (not a run dir, or trained with logging.jsonl=false)")
+    by_step: dict[int, dict[str, Any]] = {}
+    bad = 0
+    for line in log.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            bad += 1  # a line cut short by a crash mid-write
+    if bad:
+        warnings.warn(f"run {p}: skipped {bad} unreadable line(s) of metrics.jsonl", stacklevel=2)
+    if not by_step:
+        raise ValueError(f"run {p}: metrics.jsonl holds no step record")
+    steps = np.array(sorted(by_step), dtype=np.int64)
+    keys = sorted({k for rec in by_step.values() for k, v in rec.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    metrics = {k: np.array([_num(by_step[s].get(k)) for s in steps], dtype=np.float64) for k in keys}
+    conf_path = p / "resolved_config.yaml"
+    config = _flatten(OmegaConf.to_container(OmegaConf.load(conf_path))) if conf_path.is_file() else {}
+    if not config:
+        warnings.warn(f"run {p}: no resolved_config.yaml; its config cannot be compared", stacklevel=2)
+    return Run(p, p.name, config, steps, metrics, _held_out(p, config.get("precision.name")))
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def _held_out(run_dir: Path, precision: str | None) -> dict[str, Any] | None:
+    """The eval.py record (eval/*.json) of the newest checkpoint evaluated in the run's own precision."""
+    best = None
+    for f in sorted((run_dir / "eval").glob("*.json")):
+        try:
+            rec = json.loads(f.read_text())
+        except json.JSONDecodeError:
+            continue
+        if precision and rec.get("precision") != precision or rec.get("split") != "val":
+            continue
+        key = (rec.get("step") or -1, f.stat().st_mtime)
+        if best is None or key > best[0]:
+            best = (key, rec)
+    return best[1] if best else None
+
+
+def config_differences(a: Run, b: Run) -> list[tuple[str, Any, Any, bool]]:
+    """[(key, value in a, value in b, expected)] for every flattened config key whose values differ."""
+    absent = "<absent>"
+    out = []
+    for k in sorted(set(a.config) | set(b.config)):
+        va, vb = a.config.get(k, absent), b.config.get(k, absent)
+        if va != vb:
+            out.append((k, va, vb, any(k == e or (e.endswith(".") and k.startswith(e)) for e in EXPECTED_DIFFERENCES)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+@dataclass
+class Slope:
+    per_step: float  # d rel / d step
+    ci_low: float  # 95 % confidence interval of per_step
+    ci_high: float
+    autocorr: float  # lag-1 autocorrelation of the residuals used to widen the interval
+
+
+def slope_with_ci(x: np.ndarray, y: np.ndarray) -> Slope:
+    """OLS slope of y on x with a 95 % CI; the standard error is scaled by sqrt((1+ρ)/(1−ρ)) for the lag-1
+    autocorrelation ρ ≥ 0 of the residuals, and the t quantile uses the matching effective sample size."""
+    from scipy import stats
+
+    n = len(x)
+    if n < 3:
+        return Slope(math.nan, math.nan, math.nan, math.nan)
+    xc = x - x.mean()
+    sxx = float((xc * xc).sum())
+    b = float((xc * (y - y.mean())).sum() / sxx)
+    resid = y - y.mean() - b * xc
+    ss = float((resid * resid).sum())
+    rho = 0.0
+    if ss > 0:
+        rho = float(np.clip((resid[1:] * resid[:-1]).sum() / ss, 0.0, 0.99))
+    se = math.sqrt(ss / (n - 2) / sxx) * math.sqrt((1 + rho) / (1 - rho))
+    n_eff = max(3.0, n * (1 - rho) / (1 + rho))
+    half = float(stats.t.ppf(0.975, n_eff - 2)) * se
+    return Slope(b, b - half, b + half, rho)
+
+
+@dataclass
+class PairSummary:
+    """Relative loss difference of a candidate run (A) against a baseline (B)."""
+
+    candidate: str
+    baseline: str
+    key: str
+    steps: int  # steps both runs logged
+    window: tuple[int, int]  # first and last step of the summary window
+    window_steps: int
+    mean_rel: float  # mean of (A − B) / B over the window
+    mean_abs_rel: float  # mean of |A − B| / B over the window
+    slope: Slope  # of the relative difference per step, over the window
+    final_rel: float  # at the last common step
+    held_out_a: float | None = None  # final held-out loss (eval.py) of A and B, when evaluated
+    held_out_b: float | None = None
+    config_differences: list[tuple[str, Any, Any, bool]] = field(default_factory=list)
+
+    @property
+    def held_out_rel(self) -> float | None:
+        if self.held_out_a is None or self.held_out_b is None:
+            return None
+        return (self.held_out_a - self.held_out_b) / self.held_out_b
+
+
+def aligned_relative_difference(a: Run, b: Run, key: str = "loss") -> tuple[np.ndarray, np.ndarray]:
+    """(steps both logged, (A − B) / B at those steps)."""
+    sa, va = a.series(key)
+    sb, vb = b.series(key)
+    common, ia, ib = np.intersect1d(sa, sb, return_indices=True)
+    if len(common) == 0:
+        raise ValueError(f"runs {a.path} and {b.path} share no logged step of {key!r}")
+    return common, (va[ia] - vb[ib]) / vb[ib]
+
+
+def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2) -> PairSummary:
+    if not 0 < window <= 1:
+        raise ValueError(f"window={window}: must be in (0, 1]")
+    steps, rel = aligned_relative_difference(a, b, key)
+    n_win = max(1, int(round(len(steps) * window)))
+    ws, wr = steps[-n_win:], rel[-n_win:]
+    diffs = config_differences(a, b)
+    unexpected = [d for d in diffs if not d[3]]
+    if unexpected:
+        listed = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, va, vb, _ in unexpected)
+        warnings.warn(f"{a.name} vs {b.name} differ beyond precision/optimizer/seed/run name: {listed}",
+                      ConfigMismatchWarning, stacklevel=2)
+    held_key = "loss"
+    return PairSummary(
+        candidate=a.name, baseline=b.name, key=key, steps=len(steps), window=(int(ws[0]), int(ws[-1])),
+        window_steps=n_win, mean_rel=float(wr.mean()), mean_abs_rel=float(np.abs(wr).mean()),
+        slope=slope_with_ci(ws.astype(np.float64), wr), final_rel=float(rel[-1]),
+        held_out_a=(a.held_out or {}).get("metrics", {}).get(held_key),
+        held_out_b=(b.held_out or {}).get("metrics", {}).get(held_key),
+        config_differences=diffs,
+    )
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+    if len(v) == 0:
+        return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(v.min()), "max": float(v.max()), "n": len(v)}
+
+
+@dataclass
+class Comparison:
+    pairs: list[PairSummary]
+    noise: list[PairSummary]
+    mean_rel: dict[str, float]  # spread over pairs of mean_rel
+    mean_abs_rel: dict[str, float]
+    noise_floor: float | None  # mean over noise pairs of mean_abs_rel
+    within_noise: bool | None  # |mean over pairs of mean_rel| <= noise_floor
+    within_target: bool  # |mean over pairs of mean_rel| <= 0.1 %
+    upward_trend: list[str]  # candidates whose slope CI lies above 0
+
+
+def summarize(pairs: list[PairSummary], noise: list[PairSummary]) -> Comparison:
+    mean_rel = spread([p.mean_rel for p in pairs])
+    floor = spread([p.mean_abs_rel for p in noise])["mean"] if noise else None
+    level = abs(mean_rel["mean"])
+    return Comparison(pairs, noise, mean_rel, spread([p.mean_abs_rel for p in pairs]), floor,
+                      None if floor is None else bool(level <= floor), bool(level <= TARGET_REL_DIFF),
+                      [p.candidate for p in pairs if p.slope.ci_low > 0])
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def smooth(y: np.ndarray, width: int) -> np.ndarray:
+    """Centered moving average over `width` points (fewer at the ends)."""
+    if width <= 1 or len(y) < 3:
+        return y.copy()
+    kernel = np.ones(width)
+    return np.convolve(y, kernel, mode="same") / np.convolve(np.ones_like(y), kernel, mode="same")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key: str, out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    seen: set[Path] = set()
+    for i, (a, b) in enumerate(pairs + noise):
+        for run, style in ((a, "-"), (b, "--")):
+            if run.path in seen:
+                continue
+            seen.add(run.path)
+            s, v = run.series(key)
+            color = "0.5" if i >= len(pairs) else f"C{i % 10}"
+            ax.plot(s, smooth(v, max(1, len(v) // 50)), style, color=color, lw=1.2,
+                    label=f"{run.name} ({run.precision or '?'})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"{key} (moving average)")
+    ax.set_title(f"training {key}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_relative_difference(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]],
+                             summaries: list[PairSummary], key: str, out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, (a, b) in enumerate(pairs + noise):
+        steps, rel = aligned_relative_difference(a, b, key)
+        is_noise = i >= len(pairs)
+        color = "0.45" if is_noise else f"C{i % 10}"
+        ax.plot(steps, 100 * rel, color=color, alpha=0.18, lw=0.6)
+        ax.plot(steps, 100 * smooth(rel, max(3, len(rel) // 25)), color=color, lw=1.8,
+                ls="--" if is_noise else "-", label=f"{a.name} vs {b.name}" + (" (noise floor)" if is_noise else ""))
+    if summaries:
+        lo = min(s.window[0] for s in summaries)
+        ax.axvspan(lo, max(s.window[1] for s in summaries), color="0.9", zorder=0, label="summary window")
+    ax.axhline(0, color="k", lw=0.8)
+    for y in (100 * TARGET_REL_DIFF, -100 * TARGET_REL_DIFF):
+        ax.axhline(y, color="r", lw=0.6, ls=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"relative {key} difference (%)")
+    ax.set_title("(A − B) / B per step (faint) and its moving average; dotted: ±0.1 %")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def health_series(run: Run, kind: str, stat: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """FP8 `stat` of tensor `kind` averaged over layers: `fp8/mean/<kind>_<stat>`, else the mean of the
+    per-layer keys `fp8/<layer>/<kind>_<stat>`."""
+    suffix = f"/{kind}_{stat}"
+    mean_key = f"fp8/mean{suffix}"
+    if mean_key in run.metrics:
+        return run.series(mean_key)
+    layer_keys = [k for k in run.metrics if k.startswith("fp8/") and k.endswith(suffix)]
+    if not layer_keys:
+        return None
+    stacked = np.stack([run.metrics[k] for k in layer_keys])
+    ok = np.isfinite(stacked).any(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return run.steps[ok], np.nanmean(stacked[:, ok], axis=0)
+
+
+def plot_fp8_health(runs: list[Run], out: Path) -> Path | None:
+    """Underflow and distortion over time per tensor kind (act, grad, gradT, weight), one line per FP8 run."""
+    found = [(r, k, s, health_series(r, k, s)) for r in runs for k in HEALTH_KINDS for s in HEALTH_STATS]
+    found = [f for f in found if f[3] is not None]
+    if not found:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = ["-", "--", ":", "-."]
+    run_names = list(dict.fromkeys(r.name for r, *_ in found))
+    for run, kind, stat, (s, v) in found:
+        ax = axes[HEALTH_STATS.index(stat)]
+        ax.plot(s, 100 * v, color=f"C{HEALTH_KINDS.index(kind)}", ls=styles[run_names.index(run.name) % 4],
+                lw=1.2, label=f"{kind}" + (f" ({run.name})" if len(run_names) > 1 else ""))
+    for ax, stat in zip(axes, HEALTH_STATS):
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{stat} (%)")
+        ax.set_title(f"FP8 {stat}, mean over layers")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _pct(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None or not math.isfinite(x) else f"{100 * x:+.{digits}f} %"
+
+
+def _loss(x: float | None) -> str:
+    return "–" if x is None else f"{x:.4f}"
+
+
+def _row(p: PairSummary) -> str:
+    k = 1000 * 100
+    slope = (f"{p.slope.per_step * k:+.4f} [{p.slope.ci_low * k:+.4f}, {p.slope.ci_high * k:+.4f}]"
+             if math.isfinite(p.slope.per_step) else "–")
+    return (f"| {p.candidate} vs {p.baseline} | {p.steps} | {p.window[0]}–{p.window[1]} | {_pct(p.mean_rel)} | "
+            f"{_pct(p.mean_abs_rel).lstrip('+')} | {slope} | {_pct(p.final_rel)} | "
+            f"{_loss(p.held_out_a)} / {_loss(p.held_out_b)} ({_pct(p.held_out_rel)}) |")
+
+
+def render_report(comp: Comparison, plots: dict[str, Path | None], command: str, window: float) -> str:
+    key = comp.pairs[0].key
+    lines = [f"# FP8 vs BF16 comparison ({key})", "",
+             f"Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M')}. Relative difference (A − B) / B of "
+             f"the training `{key}` per step, on the steps both runs logged; summary over the last "
+             f"{100 * window:.0f} % of them. The slope's 95 % interval is OLS, widened for the residuals' lag-1 "
+             "autocorrelation.", "", "## Summary", "",
+             "| A vs B | steps | window | mean rel. diff | mean abs. rel. diff | slope (%/1k steps) [95 % CI] "
+             "| final rel. diff | held-out loss A / B (rel.) |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [_row(p) for p in comp.pairs]
+    if len(comp.pairs) > 1:
+        m, a = comp.mean_rel, comp.mean_abs_rel
+        lines.append(f"| **mean over {m['n']} seeds** (± std; min … max) | | | {_pct(m['mean'])} ± "
+                     f"{_pct(m['std']).lstrip('+')} ({_pct(m['min'])} … {_pct(m['max'])}) | "
+                     f"{_pct(a['mean']).lstrip('+')} ± {_pct(a['std']).lstrip('+')} | | | |")
+    lines += [_row(p).replace("| ", "| noise: ", 1) for p in comp.noise]
+    lines += ["", "**Verdict.** " + verdict(comp), ""]
+    lines += ["## Plots", ""]
+    for title, name in (("Loss curves", "loss"), ("Relative difference", "rel_diff"), ("FP8 health", "fp8_health")):
+        if plots.get(name) is not None:
+            lines += [f"### {title}", "", f"![{title}]({plots[name].name})", ""]
+    if plots.get("fp8_health") is None:
+        lines += ["No FP8 health statistics in the candidate runs' logs (fp8.health_every=0?).", ""]
+    lines += ["## Config differences", ""]
+    for p in comp.pairs + comp.noise:
+        lines.append(f"**{p.candidate} vs {p.baseline}**" + ("" if p.config_differences else ": identical configs"))
+        if p.config_differences:
+            lines += ["", "| key | A | B | |", "|---|---|---|---|"]
+            lines += [f"| `{k}` | `{va}` | `{vb}` | {'' if ok else '⚠ unexpected'} |" for k, va, vb, ok in
+                      p.config_differences]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def verdict(comp: Comparison) -> str:
+    level = comp.mean_rel["mean"]
+    parts = [f"mean relative {comp.pairs[0].key} difference over the window: {_pct(level)}"
+             + (f" (mean of {comp.mean_rel['n']} seeds)" if comp.mean_rel["n"] > 1 else "")]
+    parts.append(f"{'within' if comp.within_target else 'NOT within'} the 0.1 % target")
+    if comp.noise_floor is None:
+        parts.append("no noise-floor pair given (--noise), so the noise floor is unknown")
+    else:
+        parts.append(f"{'within' if comp.within_noise else 'NOT within'} the BF16-vs-BF16 noise floor "
+                     f"(mean abs. rel. diff {_pct(comp.noise_floor).lstrip('+')})")
+    if comp.upward_trend:
+        parts.append("upward trend (slope CI above 0) in: " + ", ".join(comp.upward_trend))
+    elif any(not math.isfinite(p.slope.per_step) for p in comp.pairs):
+        parts.append("no slope for windows of fewer than 3 steps")
+    else:
+        parts.append("no upward trend (every slope CI reaches 0 or below)")
+    return "; ".join(parts) + "."
+
+
+def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | Path, str | Path]] = (),
+            out_dir: str | Path = "runs/compare", *, key: str = "loss", window: float = 0.2,
+            command: str = "ling.compare.compare(...)") -> Comparison:
+    """Summarize, plot and report; writes loss_curves.png, rel_diff.png, fp8_health.png (when the logs hold
+    FP8 health), report.md and summary.json into `out_dir`."""
+    if not pairs:
+        raise ValueError("compare: no pair of runs given")
+    runs: dict[str, Run] = {}
+
+    def run(p: str | Path) -> Run:
+        k = str(Path(p).resolve())
+        if k not in runs:
+            runs[k] = load_run(p)
+        return runs[k]
+
+    run_pairs = [(run(a), run(b)) for a, b in pairs]
+    noise_pairs = [(run(a), run(b)) for a, b in noise]
+    summaries = [summarize_pair(a, b, key=key, window=window) for a, b in run_pairs]
+    noise_summaries = [summarize_pair(a, b, key=key, window=window) for a, b in noise_pairs]
+    comp = summarize(summaries, noise_summaries)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = {"loss": plot_losses(run_pairs, noise_pairs, key, out / "loss_curves.png"),
+             "rel_diff": plot_relative_difference(run_pairs, noise_pairs, summaries, key, out / "rel_diff.png"),
+             "fp8_health": plot_fp8_health([a for a, _ in run_pairs], out / "fp8_health.png")}
+    _write(out / "report.md", render_report(comp, plots, command, window))
+    _write(out / "summary.json", json.dumps(asdict(comp), indent=2, default=str) + "\n")
+    return comp
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _expand_pairs(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """'A:B' → (A, B); either side may be a glob: both sides are expanded, sorted and zipped."""
+    out = []
+    for spec in specs:
+        if spec.count(":") != 1:
+            raise SystemExit(f"pair {spec!r}: expected RUN_A:RUN_B")
+        a, b = spec.split(":")
+        ga, gb = (sorted(glob.glob(a)) or [a]), (sorted(glob.glob(b)) or [b])
+        if len(ga) != len(gb):
+            raise SystemExit(f"pair {spec!r}: the globs match {len(ga)} and {len(gb)} runs; they must match "
+                             "as many")
+        out += list(zip(ga, gb))
+    return out
+
+
+def main(argv: list[str] | None = None) -> Comparison:
+    parser = argparse.ArgumentParser(prog="python eval.py compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="*", help="RUN_A RUN_B: the candidate (FP8) and the baseline (BF16) run dir")
+    parser.add_argument("--pairs", nargs="+", default=[], help="A:B pairs (e.g. one per seed); globs allowed")
+    parser.add_argument("--noise", nargs="+", default=[], help="BF16-vs-BF16 pairs A:B: the noise floor")
+    parser.add_argument("--out", default=None, help="output folder (default runs/compare/<A>_vs_<B>)")
+    parser.add_argument("--key", default="loss", help="metric to compare (default loss)")
+    parser.add_argument("--window", type=float, default=0.2, help="fraction of the last steps summarized")
+    args = parser.parse_args(argv)
+    if args.runs and len(args.runs) != 2:
+        parser.error("give exactly two runs (RUN_A RUN_B), or --pairs")
+    pairs = ([tuple(args.runs)] if args.runs else []) + _expand_pairs(args.pairs)
+    if not pairs:
+        parser.error("nothing to compare: give RUN_A RUN_B or --pairs A:B ...")
+    out = args.out or f"runs/compare/{Path(pairs[0][0]).name}_vs_{Path(pairs[0][1]).name}"
+    command = "python eval.py compare " + " ".join(argv if argv is not None else [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comp = compare(pairs, _expand_pairs(args.noise), out, key=args.key, window=args.window, command=command)
+    for w in caught:
+        print(f"WARNING: {w.message}")
+    print(Path(out, "report.md").read_text().split("## Plots")[0].rstrip())
+    print(f"\nreport: {Path(out) / 'report.md'}")
+    return comp

@@ -1,0 +1,196 @@
+"""Compare mode on synthetic run dirs whose losses differ by a known amount."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from ling import compare
+
+STEPS = 200
+
+
+def _config(**changes) -> dict:
+    conf = {"run_name": "x", "train": {"steps": STEPS, "seed": 1, "seq_len": 256},
+            "optim": {"name": "adamw", "lr": 3e-4},
+            "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "health_every": 0},
+            "model": {"hidden_size": 128}}
+    node = OmegaConf.create(conf)
+    for key, value in changes.items():
+        OmegaConf.update(node, key, value, force_add=True)
+    return OmegaConf.to_container(node)
+
+
+def write_run(root: Path, name: str, loss: np.ndarray, config: dict, health: bool = False,
+              held_out: float | None = None) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, value in enumerate(loss):
+            rec = {"step": i + 1, "loss": float(value), "lr": 1e-3}
+            if health and i % 10 == 0:
+                for layer in ("layers.0.attention.dense", "layers.1.attention.dense"):
+                    for k, kind in enumerate(compare.HEALTH_KINDS):
+                        rec[f"fp8/{layer}/{kind}_underflow"] = 0.01 * (k + 1) + 1e-5 * i
+                        rec[f"fp8/{layer}/{kind}_distortion"] = 0.1 * (k + 1)
+            f.write(json.dumps(rec) + "\n")
+    (run / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({**config, "run_name": name})))
+    if held_out is not None:
+        (run / "eval").mkdir()
+        rec = {"step": len(loss), "split": "val", "precision": config["precision"]["name"],
+               "metrics": {"loss": held_out}}
+        (run / "eval" / f"step{len(loss):08d}-val.json").write_text(json.dumps(rec))
+    return run
+
+
+def _baseline(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, STEPS + 1)
+    return 2.0 + 8.0 * np.exp(-steps / 40) + 0.05 * rng.standard_normal(STEPS)
+
+
+def test_known_offset_gives_known_summary_and_writes_report(tmp_path):
+    base = _baseline()
+    b = write_run(tmp_path, "bf16", base, _config(), held_out=3.0)
+    a = write_run(tmp_path, "fp8", base * 1.002, _config(**{"precision.name": "fp8", "optim.name": "fp8_adamw"}),
+                  health=True, held_out=3.003)
+    out = tmp_path / "report"
+    comp = compare.compare([(a, b)], out_dir=out)
+    p = comp.pairs[0]
+    assert p.steps == STEPS and p.window == (161, 200) and p.window_steps == 40
+    # a constant relative offset: every relative difference is 0.002 up to float rounding
+    assert p.mean_rel == pytest.approx(0.002, abs=1e-12)
+    assert p.mean_abs_rel == pytest.approx(0.002, abs=1e-12)
+    assert abs(p.slope.per_step) < 1e-12 and p.slope.ci_low <= 0 <= p.slope.ci_high + 1e-15
+    assert p.held_out_rel == pytest.approx(0.001)
+    assert comp.within_noise is None and not comp.within_target and comp.upward_trend == []
+    # the expected differences (precision, optimizer) are listed but not flagged
+    assert {k for k, *_ in p.config_differences} == {"precision.name", "optim.name", "run_name"}
+    assert all(ok for *_, ok in p.config_differences)
+    for name in ("loss_curves.png", "rel_diff.png", "fp8_health.png", "report.md", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "rel_diff.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "report.md").read_text()
+    assert "+0.200 %" in report and "![Relative difference](rel_diff.png)" in report
+    assert "NOT within the 0.1 % target" in report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pairs"][0]["mean_rel"] == pytest.approx(0.002)
+
+
+def test_linear_trend_slope_and_ci():
+    # rel(s) = 1e-3 + 2e-6·s exactly → slope 2e-6 per step, a zero-width interval
+    x = np.arange(100, 200, dtype=np.float64)
+    s = compare.slope_with_ci(x, 1e-3 + 2e-6 * x)
+    assert s.per_step == pytest.approx(2e-6, rel=1e-9)
+    assert s.ci_low == pytest.approx(2e-6, rel=1e-6) and s.ci_high == pytest.approx(2e-6, rel=1e-6)
+    # with white noise the interval covers the true slope; compare with the textbook OLS interval (rho ~ 0)
+    from scipy import stats
+
+    rng = np.random.default_rng(3)
+    y = 1e-3 + 2e-6 * x + 1e-4 * rng.standard_normal(len(x))
+    s = compare.slope_with_ci(x, y)
+    ref = stats.linregress(x, y)
+    assert s.per_step == pytest.approx(ref.slope, rel=1e-9)
+    if s.autocorr == 0.0:  # no positive autocorrelation: exactly the textbook interval
+        half = stats.t.ppf(0.975, len(x) - 2) * ref.stderr
+        assert s.ci_high - s.per_step == pytest.approx(half, rel=1e-9)
+    assert s.ci_low < 2e-6 < s.ci_high
+
+
+def test_autocorrelated_residuals_widen_the_interval():
+    rng = np.random.default_rng(0)
+    x = np.arange(400, dtype=np.float64)
+    noise = np.cumsum(rng.standard_normal(400)) * 1e-5  # a random walk: strongly autocorrelated
+    from scipy import stats
+
+    s = compare.slope_with_ci(x, noise)
+    ref = stats.linregress(x, noise)
+    assert s.autocorr > 0.8
+    assert (s.ci_high - s.ci_low) > 3 * 2 * stats.t.ppf(0.975, 398) * ref.stderr
+
+
+def test_seeds_and_noise_floor(tmp_path):
+    pairs, noise = [], []
+    for seed, offset in ((1, 0.0004), (2, 0.0006), (3, 0.0008)):
+        base = _baseline(seed)
+        b = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
+        a = write_run(tmp_path, f"s{seed}_fp8", base * (1 + offset),
+                      _config(**{"train.seed": seed, "precision.name": "fp8"}))
+        pairs.append((a, b))
+    # noise pair: ±0.2 % alternating, so its mean |rel| is 0.2 %
+    base = _baseline(1)
+    sign = np.where(np.arange(STEPS) % 2 == 0, 1.0, -1.0)
+    n = write_run(tmp_path, "s1_bf16_rerun", base * (1 + 0.002 * sign), _config(**{"train.seed": 1}))
+    noise.append((n, tmp_path / "s1_bf16"))
+    comp = compare.compare(pairs, noise, tmp_path / "out")
+    assert [p.mean_rel for p in comp.pairs] == pytest.approx([0.0004, 0.0006, 0.0008], abs=1e-12)
+    assert comp.mean_rel["mean"] == pytest.approx(0.0006) and comp.mean_rel["std"] == pytest.approx(0.0002)
+    assert comp.mean_rel["min"] == pytest.approx(0.0004) and comp.mean_rel["max"] == pytest.approx(0.0008)
+    assert comp.noise_floor == pytest.approx(0.002)
+    assert comp.within_noise and comp.within_target
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "mean over 3 seeds" in report and "noise: s1_bf16_rerun vs s1_bf16" in report
+    assert "within the BF16-vs-BF16 noise floor" in report
+    assert not (tmp_path / "out" / "fp8_health.png").exists()  # no health in these logs
+
+
+def test_cli_globs_and_default_output(tmp_path, monkeypatch, capsys):
+    for seed in (1, 2):
+        base = _baseline(seed)
+        write_run(tmp_path, f"s{seed}_bf16", base, _config())
+        write_run(tmp_path, f"s{seed}_fp8", base * 1.001, _config(**{"precision.name": "fp8"}))
+    monkeypatch.chdir(tmp_path)
+    comp = compare.main(["--pairs", "s*_fp8:s*_bf16"])
+    assert [(p.candidate, p.baseline) for p in comp.pairs] == [("s1_fp8", "s1_bf16"), ("s2_fp8", "s2_bf16")]
+    assert (tmp_path / "runs/compare/s1_fp8_vs_s1_bf16/report.md").is_file()
+    assert "mean rel. diff" in capsys.readouterr().out
+
+
+def test_run_dir_without_logs(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty: no metrics.jsonl"):
+        compare.load_run(tmp_path / "empty")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "metrics.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no step record"):
+        compare.load_run(tmp_path / "blank")
+
+
+def test_configs_differing_beyond_precision_warn_with_the_list(tmp_path):
+    base = _baseline()
+    b = write_run(tmp_path, "bf16", base, _config())
+    a = write_run(tmp_path, "fp8", base, _config(**{"precision.name": "fp8", "optim.lr": 1e-3,
+                                                      "train.seq_len": 512}))
+    listed = r"optim.lr: 0.001 vs 0.0003; train.seq_len: 512 vs 256"
+    with pytest.warns(compare.ConfigMismatchWarning, match=listed) as w:
+        comp = compare.compare([(a, b)], out_dir=tmp_path / "out")
+    assert "precision.name" not in str(w[0].message)
+    flagged = {k for k, *_, ok in comp.pairs[0].config_differences if not ok}
+    assert flagged == {"optim.lr", "train.seq_len"}
+    assert "`optim.lr` | `0.001` | `0.0003` | ⚠ unexpected" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_resumed_run_keeps_the_last_record_of_a_step_and_skips_a_cut_line(tmp_path):
+    run = write_run(tmp_path, "r", np.full(10, 5.0), _config())
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "loss": 4.0}) + "\n")
+        f.write('{"step": 10, "loss": 3.')  # a crash mid-write
+    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
+        r = compare.load_run(run)
+    steps, loss = r.series("loss")
+    assert list(steps) == list(range(1, 11)) and loss[8] == 4.0 and loss[9] == 5.0
+    with pytest.raises(KeyError, match="no 'mtp_loss'"):
+        r.series("mtp_loss")
+
+
+def test_health_series_falls_back_to_the_layer_mean(tmp_path):
+    run = compare.load_run(write_run(tmp_path, "h", _baseline(), _config(), health=True))
+    s, v = compare.health_series(run, "grad", "underflow")
+    assert list(s[:3]) == [1, 11, 21]
+    assert v[1] == pytest.approx(0.02 + 1e-5 * 10)
+    assert compare.health_series(run, "act", "nope") is None
+    assert np.isfinite(v).all()

@@ -1,0 +1,239 @@
+"""Held-out evaluation: `evaluate` against a hand computation, across ranks, and eval.py end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ling.evaluate import evaluate, run_eval, split_steps
+from model.config import ModelConfig
+from model.ling import LingForCausalLM, shift_left
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ModelConfig.preset("tiny", vocab_size=200, num_layers=2, num_experts=8, num_expert_groups=4,
+                           topk_groups=2, num_experts_per_tok=2, num_mtp_layers=2)
+
+
+def make_batches(n: int, seed: int, B: int = 3, T: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, SMALL.vocab_size, (B, T + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        labels[:, : 2 * i] = -100  # a different number of ignored targets per batch: token weighting matters
+        out.append({"input_ids": ids[:, :-1], "labels": labels})
+    return out
+
+
+def reference(model: LingForCausalLM, batches, **kwargs) -> dict[str, float]:
+    """Concatenate every batch's logits and targets, then one CE / accuracy over all counted targets."""
+    with torch.no_grad():
+        outs = [model(b["input_ids"], labels=b["labels"], **kwargs) for b in batches]
+    res = {}
+    heads = [("lm", [o.logits for o in outs], [b["labels"] for b in batches])]
+    for d in range(1, SMALL.num_mtp_layers + 1):
+        heads.append((f"mtp_{d}", [o.mtp_logits[d - 1] for o in outs],
+                      [shift_left(b["labels"], d, -100) for b in batches]))
+    for name, logits, targets in heads:
+        lg = torch.cat([x.reshape(-1, x.shape[-1]) for x in logits]).double()
+        tg = torch.cat([t.reshape(-1) for t in targets])
+        keep = tg != -100
+        res[f"{name}_loss"] = F.cross_entropy(lg[keep], tg[keep]).item()
+        res[f"{name}_acc"] = (lg[keep].argmax(-1) == tg[keep]).double().mean().item()
+    res["tokens"] = sum(int((b["labels"] != -100).sum()) for b in batches)
+    return res
+
+
+def test_evaluate_matches_a_token_weighted_hand_computation():
+    torch.manual_seed(0)
+    model = LingForCausalLM(SMALL)
+    model.train()
+    batches = make_batches(4, seed=1)
+    got = evaluate(model, batches, "cpu")
+    assert model.training  # mode restored
+    model.eval()
+    want = reference(model, batches)
+    # fp32 logits, CE summed in fp32 per chunk vs one fp64 CE: ~1e-6 relative
+    assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5)
+    assert got["acc"] == pytest.approx(want["lm_acc"], abs=1e-12)
+    for d in (1, 2):
+        assert got[f"mtp_loss_{d}"] == pytest.approx(want[f"mtp_{d}_loss"], rel=1e-5)
+        assert got[f"mtp_acc_{d}"] == pytest.approx(want[f"mtp_{d}_acc"], abs=1e-12)
+    assert got["mtp_loss"] == pytest.approx((got["mtp_loss_1"] + got["mtp_loss_2"]) / 2)
+    assert got["ppl"] == pytest.approx(torch.tensor(got["lm_loss"]).exp().item())
+    assert got["tokens"] == want["tokens"] and got["batches"] == 4
+    assert got["loss"] == pytest.approx(got["lm_loss"] + 0.1 * got["mtp_loss"] + got["z_loss"] + got["aux_loss"])
+    assert got["z_loss"] > 0
+    # max_batches stops early; a fresh figure on fewer batches
+    first = evaluate(model, batches, "cpu", max_batches=1)
+    assert first["batches"] == 1 and first["lm_loss"] == pytest.approx(reference(model, batches[:1])["lm_loss"],
+                                                                        rel=1e-5)
+    assert not model.training
+    with pytest.raises(ValueError, match="no batches"):
+        evaluate(model, [], "cpu")
+
+
+class LogitsOnRequest(LingForCausalLM):
+    """A model whose forward returns logits only when asked (like a fused LM-head loss would)."""
+
+    def forward(self, input_ids, labels=None, doc_ids=None, return_logits: bool | None = None):
+        out = super().forward(input_ids, labels=labels, doc_ids=doc_ids)
+        if labels is not None and not return_logits:
+            out.logits, out.mtp_logits = None, []
+        return out
+
+
+def test_evaluate_asks_for_logits_when_the_model_can_skip_them():
+    torch.manual_seed(0)
+    model = LogitsOnRequest(SMALL)
+    batches = make_batches(2, seed=2)
+    got = evaluate(model, batches, "cpu")
+    model.eval()
+    want = reference(model, batches, return_logits=True)
+    assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-5)
+    assert got["mtp_acc_2"] == pytest.approx(want["mtp_2_acc"], abs=1e-12)
+
+
+def _rank_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = LingForCausalLM(SMALL)
+    batches = make_batches(4, seed=1)[rank::world]  # each rank its own (unequally masked) batches
+    res = evaluate(model, batches, "cpu")
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_one_process_figures(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_worker, args=(2, port, str(tmp_path / "r.json")), nprocs=2)
+    two = json.loads((tmp_path / "r.json").read_text())
+    torch.manual_seed(0)
+    one = evaluate(LingForCausalLM(SMALL), make_batches(4, seed=1), "cpu")
+    for k in ("lm_loss", "acc", "mtp_loss_1", "mtp_acc_2", "loss", "tokens"):
+        assert two[k] == pytest.approx(one[k], rel=1e-6), k  # fp64 sums in another order
+
+
+def test_split_steps_cover_the_split_once():
+    class Packed:
+        num_rows, micro_batch_size, world_size = 103, 4, 2
+
+    assert split_steps(Packed(), None) == 12 and split_steps(Packed(), 5) == 5
+    Packed.num_rows = 3
+    assert split_steps(Packed(), None) == 1
+    with pytest.raises(ValueError, match="data=synthetic"):
+        split_steps(object(), None)
+
+
+# ------------------------------------------------------------------------------------------------ eval.py
+TRAIN = ["+exp=tiny_cpu", "train.steps=3", "train.seq_len=64", "train.micro_batch_size=2", "model.num_layers=2",
+         "logging.wandb.mode=disabled", "logging.progress_bar=false"]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """A 3-step BF16 run and its FP8 twin on the bundled corpus (FP8 health every step)."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, extra in (("bf16", []), ("fp8", ["precision=fp8", "optim=fp8_adamw", "fp8.health_every=1"])):
+        proc = _run(["train.py", *TRAIN, *extra, f"hydra.run.dir={root / name}"])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+def eval_cfg(**values):
+    from hydra import compose, initialize_config_dir
+
+    overrides = [f"{k}={v}" for k, v in values.items()]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="eval", overrides=overrides)
+
+
+def test_eval_py_end_to_end(tiny_runs):
+    run = tiny_runs / "bf16"
+    proc = _run(["eval.py", f"checkpoint={run}", "batches=3", "progress_bar=false"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = run / "eval" / "step00000003-val.json"
+    rec = json.loads(out.read_text())
+    m = rec["metrics"]
+    assert rec["step"] == 3 and rec["split"] == "val" and rec["precision"] == "bf16" and m["batches"] == 3
+    assert set(m) >= {"loss", "lm_loss", "ppl", "acc", "mtp_loss_1", "mtp_acc_1", "tokens"}
+    assert m["tokens"] == 3 * 2 * 64 and 0 < m["lm_loss"] < 10 and 0 <= m["mtp_acc_1"] <= 1
+    assert f"lm_loss      {m['lm_loss']:.6g}" in proc.stdout and str(out) in proc.stdout
+    # the same weights give the same figure on the same batches (here found from the checkpoints folder)
+    again = run_eval(eval_cfg(checkpoint=run / "checkpoints", batches=3, output=run / "again.json"))
+    assert again["metrics"]["lm_loss"] == m["lm_loss"]
+
+
+def test_eval_in_another_precision_and_from_an_hf_export(tiny_runs):
+    fp8_run = tiny_runs / "fp8"
+    native = run_eval(eval_cfg(checkpoint=fp8_run, batches=2))
+    as_bf16 = run_eval(eval_cfg(checkpoint=fp8_run, batches=2, precision="bf16"))
+    assert native["precision"] == "fp8" and as_bf16["precision"] == "bf16"
+    assert Path(as_bf16["output"]).name == "step00000003-val-bf16.json"
+    # FP8 linears (E4M3, 3 mantissa bits) vs exact linears on the same weights: close, not equal
+    a, b = native["metrics"]["lm_loss"], as_bf16["metrics"]["lm_loss"]
+    assert a != b and a == pytest.approx(b, rel=2e-2)
+
+    from ling.hf import save_hf
+    from ling.weights import find_checkpoint, read_model_state
+
+    ref = find_checkpoint(tiny_runs / "bf16")
+    state = read_model_state(ref.folder)
+    hf_dir = save_hf(state, ref.model_config(state), tiny_runs / "bf16_hf", dtype=torch.float32)
+    from_hf = run_eval(eval_cfg(checkpoint=hf_dir, batches=2, data="bundled", seq_len=64, micro_batch_size=2))
+    from_run = run_eval(eval_cfg(checkpoint=tiny_runs / "bf16", batches=2, output=tiny_runs / "x.json"))
+    assert from_hf["metrics"]["lm_loss"] == from_run["metrics"]["lm_loss"]
+
+
+def test_eval_bad_input(tiny_runs, tmp_path):
+    with pytest.raises(ValueError, match="another model config") as e:
+        run_eval(eval_cfg(checkpoint=tiny_runs / "bf16", batches=1, model="tiny", **{"model.hidden_size": 256}))
+    msg = str(e.value)
+    assert "model.hidden_size: 128 in the checkpoint's run, 256 asked" in msg
+    assert "model.num_layers: 2 in the checkpoint's run, 3 asked" in msg
+    assert "other shapes: word_embeddings.weight: checkpoint [8192, 128], model [8192, 256]" in msg
+    assert "missing tensors: layers.2.attention.dense.weight" in msg
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        run_eval(eval_cfg(checkpoint=tmp_path / "nope"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "resolved_config.yaml").write_text("train: {seed: 1}\n")
+    with pytest.raises(FileNotFoundError, match="no checkpoint found"):
+        run_eval(eval_cfg(checkpoint=tmp_path / "run"))
+
+
+def test_compare_real_runs_with_held_out_losses(tiny_runs):
+    for name in ("bf16", "fp8"):  # held-out figures for both (the fp8 one in its own precision)
+        run_eval(eval_cfg(checkpoint=tiny_runs / name, batches=2))
+    proc = _run(["eval.py", "compare", str(tiny_runs / "fp8"), str(tiny_runs / "bf16"), "--out",
+                 str(tiny_runs / "cmp")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tiny_runs / "cmp" / "summary.json").read_text())
+    pair = summary["pairs"][0]
+    assert pair["steps"] == 3 and pair["held_out_a"] is not None and pair["held_out_b"] is not None
+    assert (tiny_runs / "cmp" / "fp8_health.png").is_file()  # the FP8 run logged health every step
+    assert "WARNING" not in proc.stdout  # the twins differ only in precision / optimizer / run name
