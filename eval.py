@@ -7,7 +7,7 @@
 
 import sys
 
-from ling.launch import add_shared_run_overrides, strip_local_rank_arg
+from ling.launch import strip_local_rank_arg
 
 if len(sys.argv) > 1 and sys.argv[1] == "compare":
     from ling.compare import main as compare_main
@@ -15,8 +15,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "compare":
     compare_main(sys.argv[2:])
     sys.exit(0)
 
-strip_local_rank_arg()  # the deepspeed launcher's --local_rank must not reach Hydra
-add_shared_run_overrides()
+strip_local_rank_arg()  # the deepspeed launcher's --local_rank must not reach Hydra (eval writes no run dir)
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -396,7 +396,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _swiglu_quant_kernel(
-        h_ptr, gate_ptr, aq_ptr, as_ptr, hq_ptr, hs_ptr, total_ptr, M, I,
+        h_ptr, gate_ptr, aq_ptr, as_ptr, hq_ptr, hs_ptr, total_ptr, M, INTER,
         stride_hm, stride_hk, stride_qm, stride_qk, stride_sm, stride_sk,
         stride_hqm, stride_hqk, stride_hsm, stride_hsk,
         BLOCK_M: tl.constexpr, SAVE_H: tl.constexpr, POW2: tl.constexpr,
@@ -410,10 +410,10 @@ if HAS_TRITON:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rows < M
         cols = pid_f * 128 + tl.arange(0, 128)
-        mask = m_ok[:, None] & (cols < I)[None, :]
+        mask = m_ok[:, None] & (cols < INTER)[None, :]
         hp = h_ptr + rows[:, None] * stride_hm
         hg = tl.load(hp + cols[None, :] * stride_hk, mask=mask, other=0.0).to(tl.float32)
-        hu = tl.load(hp + (I + cols)[None, :] * stride_hk, mask=mask, other=0.0).to(tl.float32)
+        hu = tl.load(hp + (INTER + cols)[None, :] * stride_hk, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(gate_ptr + rows, mask=m_ok, other=0.0)
         a = hg / (1.0 + tl.exp(-hg)) * hu * w[:, None]
         _quant_block(a, aq_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk,
@@ -422,12 +422,12 @@ if HAS_TRITON:
             hqp = hq_ptr + rows[:, None] * stride_hqm
             hsp = hs_ptr + rows * stride_hsm
             _quant_block(hg, hqp + cols[None, :] * stride_hqk, hsp + pid_f * stride_hsk, mask, m_ok, POW2)
-            _quant_block(hu, hqp + (I + cols)[None, :] * stride_hqk, hsp + (I // 128 + pid_f) * stride_hsk, mask,
-                         m_ok, POW2)  # fmt: skip
+            up_scales = hsp + (INTER // 128 + pid_f) * stride_hsk
+            _quant_block(hu, hqp + (INTER + cols)[None, :] * stride_hqk, up_scales, mask, m_ok, POW2)
 
     @triton.jit
     def _swiglu_bwd_kernel(
-        hq_ptr, hs_ptr, da_ptr, gate_ptr, dh_ptr, dhq_ptr, dhs_ptr, dgate_ptr, total_ptr, M, I,
+        hq_ptr, hs_ptr, da_ptr, gate_ptr, dh_ptr, dhq_ptr, dhs_ptr, dgate_ptr, total_ptr, M, INTER,
         stride_hqm, stride_hqk, stride_hsm, stride_hsk, stride_dam, stride_dak, stride_dhm, stride_dhk,
         stride_dqm, stride_dqk, stride_dsm, stride_dsk,
         BLOCK_M: tl.constexpr, POW2: tl.constexpr,
@@ -441,15 +441,15 @@ if HAS_TRITON:
         m_ok = rows < M
         w = tl.load(gate_ptr + rows, mask=m_ok, other=0.0)
         d_gate = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for f in tl.range(0, I, 128):
+        for f in tl.range(0, INTER, 128):
             cols = f + tl.arange(0, 128)
-            mask = m_ok[:, None] & (cols < I)[None, :]
+            mask = m_ok[:, None] & (cols < INTER)[None, :]
             kb = f // 128
             hqp = hq_ptr + rows[:, None] * stride_hqm
             sg = tl.load(hs_ptr + rows * stride_hsm + kb * stride_hsk, mask=m_ok, other=0.0)
-            su = tl.load(hs_ptr + rows * stride_hsm + (I // 128 + kb) * stride_hsk, mask=m_ok, other=0.0)
+            su = tl.load(hs_ptr + rows * stride_hsm + (INTER // 128 + kb) * stride_hsk, mask=m_ok, other=0.0)
             hg = tl.load(hqp + cols[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * sg[:, None]
-            hu = tl.load(hqp + (I + cols)[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * su[:, None]
+            hu = tl.load(hqp + (INTER + cols)[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * su[:, None]
             da = tl.load(da_ptr + rows[:, None] * stride_dam + cols[None, :] * stride_dak, mask=mask, other=0.0)
             da = da.to(tl.float32)
             s = 1.0 / (1.0 + tl.exp(-hg))
@@ -460,12 +460,12 @@ if HAS_TRITON:
             du = (da0 * silu).to(dh_ptr.dtype.element_ty)
             dhp = dh_ptr + rows[:, None] * stride_dhm
             tl.store(dhp + cols[None, :] * stride_dhk, dg, mask=mask)
-            tl.store(dhp + (I + cols)[None, :] * stride_dhk, du, mask=mask)
+            tl.store(dhp + (INTER + cols)[None, :] * stride_dhk, du, mask=mask)
             dqp = dhq_ptr + rows[:, None] * stride_dqm
             dsp = dhs_ptr + rows * stride_dsm
             _quant_block(dg.to(tl.float32), dqp + cols[None, :] * stride_dqk, dsp + kb * stride_dsk, mask, m_ok, POW2)
-            _quant_block(du.to(tl.float32), dqp + (I + cols)[None, :] * stride_dqk, dsp + (I // 128 + kb) * stride_dsk,
-                         mask, m_ok, POW2)  # fmt: skip
+            up_scales = dsp + (INTER // 128 + kb) * stride_dsk
+            _quant_block(du.to(tl.float32), dqp + (INTER + cols)[None, :] * stride_dqk, up_scales, mask, m_ok, POW2)
         tl.store(dgate_ptr + rows, d_gate, mask=m_ok)
 
     @triton.jit

@@ -186,11 +186,14 @@ def verify(folder: Path, checksums: bool = True, world_size: int | None = None) 
     """Check a checkpoint against its manifest (collective: each rank checks a share of the files).
 
     Returns the problems found on any rank, the same list on every rank; empty = verified. `world_size`:
-    the ranks that will load it (default: this run's); a checkpoint only loads into the world that wrote it.
+    the ranks that will load it (default: this run's); a checkpoint only resumes in the world that wrote it.
+    world_size=0: any world (reading the weights only, e.g. eval.py and HF export).
     """
     rank, world = rank_world()
-    nranks = world_size or world
     manifest = _read_manifest(folder)
+    nranks = world_size or world
+    if world_size == 0 and isinstance(manifest, dict):
+        nranks = manifest.get("world_size")
     problems: list[str] = []
     if isinstance(manifest, str):
         problems.append(manifest)
@@ -208,12 +211,14 @@ def verify(folder: Path, checksums: bool = True, world_size: int | None = None) 
     return merged
 
 
-def newest_verified(ckpt_dir: Path, checksums: bool = True) -> tuple[Path | None, list[tuple[str, str]]]:
-    """(the newest checkpoint folder in `ckpt_dir` that verifies or None, [(name, why it was skipped)])."""
+def newest_verified(ckpt_dir: Path, checksums: bool = True,
+                    world_size: int | None = None) -> tuple[Path | None, list[tuple[str, str]]]:
+    """(the newest checkpoint folder in `ckpt_dir` that verifies or None, [(name, why it was skipped)]);
+    `world_size` as in `verify`."""
     names = broadcast(sorted(p.name for p in ckpt_dir.iterdir()) if ckpt_dir.is_dir() else [])
     skipped = [(n, "an interrupted save") for n in names if n.endswith(PARTIAL)]
     for tag in sorted((n for n in names if step_of(n) is not None), key=step_of, reverse=True):
-        problems = verify(ckpt_dir / tag, checksums)
+        problems = verify(ckpt_dir / tag, checksums, world_size)
         if not problems:
             return ckpt_dir / tag, skipped
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

@@ -36,8 +36,8 @@ from ling.logger import MetricsLogger, setup_logging, truncate_metrics
 from ling.metrics import flops_per_token, peak_memory_gib, peak_tflops
 from ling.preemption import Preempted, StopSignals
 from ling.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
-from model.moe import update_expert_biases
 from model.ling import count_parameters
+from model.moe import update_expert_biases
 
 log = logging.getLogger(__name__)
 FRESH = ("none", "null", "None", "")

@@ -55,8 +55,9 @@ def _is_checkpoint_folder(p: Path) -> bool:
 
 def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> CheckpointRef:
     """Locate a checkpoint from a run dir (runs/NAME: its latest checkpoint), a checkpoints folder (its
-    `latest`, or `tag`) or one checkpoint folder (…/stepXXXXXXXX). Raises naming what is missing."""
-    from ling.checkpoint import latest_tag
+    newest verified checkpoint, or `tag`) or one checkpoint folder (…/stepXXXXXXXX). Raises naming what is
+    missing."""
+    from ling.checkpoint import newest_verified
 
     p = Path(path)
     if not p.is_dir():
@@ -69,11 +70,16 @@ def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
             conf = OmegaConf.load(p / RESOLVED_CONFIG)
             custom = OmegaConf.select(conf, "train.checkpoint_dir")
             ckpt_dir = Path(custom) if custom else p / "checkpoints"
-        chosen = tag or (latest_tag(ckpt_dir) if ckpt_dir.is_dir() else None)
-        if chosen is None:
-            raise FileNotFoundError(f"checkpoint {p}: no checkpoint found (no {ckpt_dir / 'latest'}; was the run "
-                                    "saved? train.save_final=true writes one at the end)")
-        folder = ckpt_dir / chosen
+        if tag is not None:
+            folder = ckpt_dir / tag
+        else:
+            # weights only: a checkpoint of any world size will do
+            newest, skipped = newest_verified(ckpt_dir, world_size=0) if ckpt_dir.is_dir() else (None, [])
+            if newest is None:
+                why = "; ".join(f"{name}: {reason}" for name, reason in skipped) or "none was saved"
+                raise FileNotFoundError(f"checkpoint {p}: no verified checkpoint in {ckpt_dir} ({why}; "
+                                        "train.save_final=true writes one at the end)")
+            folder = newest
         if not _is_checkpoint_folder(folder):
             raise FileNotFoundError(f"checkpoint {folder}: no {MODEL_STATES} (not a DeepSpeed checkpoint folder)")
     run_dir = next((d for d in (folder.parent.parent, folder.parent, Path(path))

@@ -90,8 +90,8 @@ def plan_dispatch(topk_idx: torch.Tensor, num_experts: int, pad_multiple: int = 
     offsets = torch.zeros(e + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(padded, 0)
     pad_token = _pad_tokens(sorted_token, sorted_expert, rank, e, a, t)
-    return DispatchPlan(row_src=row_src, pos=pos.view(t, k).to(torch.int32),
-                        rows=GroupedRows(offsets, rows_bound, alignment=a, data_lengths=counts), tokens_per_expert=counts,
+    rows = GroupedRows(offsets, rows_bound, alignment=a, data_lengths=counts)
+    return DispatchPlan(row_src=row_src, pos=pos.view(t, k).to(torch.int32), rows=rows, tokens_per_expert=counts,
                         pad_token=pad_token, num_pad=padded - counts)  # fmt: skip
 
 

@@ -35,7 +35,7 @@ def make_batches(n: int, seed: int, B: int = 3, T: int = 16) -> list[dict[str, t
 def reference(model: LingForCausalLM, batches, **kwargs) -> dict[str, float]:
     """Concatenate every batch's logits and targets, then one CE / accuracy over all counted targets."""
     with torch.no_grad():
-        outs = [model(b["input_ids"], labels=b["labels"], **kwargs) for b in batches]
+        outs = [model(b["input_ids"], labels=b["labels"], **{"return_logits": True, **kwargs}) for b in batches]
     res = {}
     heads = [("lm", [o.logits for o in outs], [b["labels"] for b in batches])]
     for d in range(1, SMALL.num_mtp_layers + 1):
@@ -80,19 +80,9 @@ def test_evaluate_matches_a_token_weighted_hand_computation():
         evaluate(model, [], "cpu")
 
 
-class LogitsOnRequest(LingForCausalLM):
-    """A model whose forward returns logits only when asked (like a fused LM-head loss would)."""
-
-    def forward(self, input_ids, labels=None, doc_ids=None, return_logits: bool | None = None):
-        out = super().forward(input_ids, labels=labels, doc_ids=doc_ids)
-        if labels is not None and not return_logits:
-            out.logits, out.mtp_logits = None, []
-        return out
-
-
 def test_evaluate_asks_for_logits_when_the_model_can_skip_them():
     torch.manual_seed(0)
-    model = LogitsOnRequest(SMALL)
+    model = LingForCausalLM(SMALL)  # with labels, its forward returns logits only when asked
     batches = make_batches(2, seed=2)
     got = evaluate(model, batches, "cpu")
     model.eval()
@@ -222,7 +212,7 @@ def test_eval_bad_input(tiny_runs, tmp_path):
         run_eval(eval_cfg(checkpoint=tmp_path / "nope"))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "resolved_config.yaml").write_text("train: {seed: 1}\n")
-    with pytest.raises(FileNotFoundError, match="no checkpoint found"):
+    with pytest.raises(FileNotFoundError, match="no verified checkpoint"):
         run_eval(eval_cfg(checkpoint=tmp_path / "run"))
 
 
