@@ -82,7 +82,7 @@ def test_deepspeed_skips_a_step_whose_gradient_is_not_finite(stage, device):
     engine = engine_for([f"deepspeed=zero{stage}"], device)
     step(engine, 0)
     before = full_params(engine)
-    step(engine, 1, grad_hook=lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    step(engine, 1, grad_hook=lambda g: g.index_fill(0, torch.tensor([0], device=g.device), float("inf")))
     assert not engine.was_step_applied()
     after = full_params(engine)
     assert all(torch.equal(before[n], after[n]) for n in before)
