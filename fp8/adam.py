@@ -147,6 +147,32 @@ def dequantize_blockwise_reference(q: torch.Tensor, scale: torch.Tensor, block_s
     return (qb * scale[:, None]).reshape(-1)[:n]
 
 
+def moment_slice(state: dict[str, Any], key: str, start: int, numel: int, block_size: int) -> torch.Tensor:
+    """Elements start … start + numel − 1 of one tensor's FP8AdamW moment as fp32: key "exp_avg" (m) or
+    "exp_avg_sq" (v = sqrt(v)²), dequantized from only the E4M3 blocks that hold them (the state may be
+    memory-mapped); tensors below min_fp8_numel keep fp32 moments, which are sliced."""
+    if "exp_avg_sq" in state:  # fp32-moment tensor
+        return state[key][start : start + numel].float()
+    bits, scale = ("exp_avg", "exp_avg_scale") if key == "exp_avg" else ("exp_avg_sq_root", "exp_avg_sq_root_scale")
+    b0, b1 = start // block_size, cdiv(start + numel, block_size)
+    x = dequantize_blockwise_reference(state[bits][b0 * block_size : b1 * block_size], state[scale][b0:b1], block_size)
+    x = x[start - b0 * block_size :][:numel]
+    return x * x if key == "exp_avg_sq" else x
+
+
+def state_from_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float, block_size: int,
+                       min_fp8_numel: int) -> dict[str, Any]:  # fmt: skip
+    """The FP8AdamW state of a flat fp32 tensor whose moments are m = exp_avg and v = exp_avg_sq (fp32 [n])
+    after `step` updates: E4M3 blocks of m and sqrt(v) as a step writes them (or fp32 moments when
+    n < min_fp8_numel). Used to re-partition a checkpoint (ling/reshard.py)."""
+    state: dict[str, Any] = {"step": torch.tensor(float(step), dtype=torch.float32)}
+    if exp_avg.numel() < min_fp8_numel:
+        return {**state, "exp_avg": exp_avg.float().clone(), "exp_avg_sq": exp_avg_sq.float().clone()}
+    mq, ms = quantize_blockwise_reference(exp_avg, block_size)
+    rq, rs = quantize_blockwise_reference(exp_avg_sq.float().sqrt(), block_size, floor_nonzero=True)
+    return {**state, "exp_avg": mq, "exp_avg_scale": ms, "exp_avg_sq_root": rq, "exp_avg_sq_root_scale": rs}
+
+
 def fp8_adamw_update_reference(
     param: torch.Tensor,
     grad: torch.Tensor,

@@ -134,6 +134,8 @@ def _gathered(x: torch.Tensor, row_idx: torch.Tensor | None) -> torch.Tensor:
     if row_idx is None:
         return x
     idx = row_idx.long()
+    if x.shape[0] == 0:  # no source rows (an expert-parallel rank that received none): every row reads zeros
+        return x.new_zeros(idx.numel(), *x.shape[1:])
     out = x[idx.clamp(min=0)]
     return out.masked_fill((idx < 0)[:, None], 0)
 

@@ -2,7 +2,12 @@
 data position, RNG), a manifest of every file, verification before loading, rotation that keeps good ones.
 
 Layout: <dir>/step00000123/ holds the DeepSpeed files, `trainer_state_rank{r}.pt` and `manifest.json` (each
-file's size and sha256, the step, the world size); <dir>/latest names the newest tag (for DeepSpeed's tools).
+file's size and sha256, the step, the world size, moe.ep_size); <dir>/latest names the newest tag (for
+DeepSpeed's tools). With expert parallelism (ep_size P > 1) DeepSpeed's `mp_rank_00_model_states.pt` holds the
+dense weights and only expert-parallel rank 0's share of each expert stack, so every expert-parallel rank k also
+writes `experts_ep{k}_of{P}.pt` (its expert stacks in the training dtype, written by the first rank that holds
+them); `read_expert_shards` joins them into whole stacks. A checkpoint resumes with the moe.ep_size that wrote
+it (DeepSpeed's loader, then each rank's experts) or with another one at the same world size (ling/reshard.py).
 A save writes into <tag>.partial/, hashes what landed on disk (the ranks share the files), writes the manifest
 last and renames the folder into place, so a checkpoint either has a manifest that matches its files or is
 not a candidate. `newest_verified` walks the checkpoints newest first and returns the first whose files all
@@ -31,6 +36,7 @@ TRAINER_STATE = "trainer_state_rank{rank}.pt"
 PARTIAL = ".partial"
 TAG_RE = re.compile(r"^step(\d{8})$")
 MANIFEST_FORMAT = 1
+EXPERT_SHARD = "experts_ep{ep_rank}_of{ep_size}.pt"
 
 
 def tag_for(step: int) -> str:
@@ -104,6 +110,56 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---------------------------------------------------------------------------------------------- experts
+def expert_layout(engine) -> dict[str, int]:
+    """This rank's place in the expert-parallel layout: ep_size, ep_rank (which experts it holds) and edp_rank
+    (its place among the ranks holding the same experts, by global rank: the order of DeepSpeed's
+    expert-data-parallel group). Collective when ep_size > 1."""
+    model = getattr(engine, "module", None)
+    ep_size = model.config.ep_size if hasattr(model, "config") else 1
+    if ep_size == 1:
+        return {"ep_size": 1, "ep_rank": 0, "edp_rank": rank_world()[0]}
+    ep_ranks = _all_gather(model.ep_rank)
+    rank = rank_world()[0]
+    return {"ep_size": ep_size, "ep_rank": model.ep_rank, "edp_rank": ep_ranks[:rank].count(model.ep_rank)}
+
+
+def _expert_shard_names(ep_size: int) -> list[str]:
+    return [EXPERT_SHARD.format(ep_rank=k, ep_size=ep_size) for k in range(ep_size)] if ep_size > 1 else []
+
+
+def read_expert_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole expert stacks [num_experts, ...] of an expert-parallel checkpoint, joined from its
+    `experts_ep{k}_of{P}.pt` files in k order ({} for a checkpoint without expert parallelism)."""
+    found = sorted(folder.glob(EXPERT_SHARD.format(ep_rank="*", ep_size="*")))
+    if not found:
+        return {}
+    ep_size = int(found[0].stem.rpartition("_of")[2])
+    shards = []
+    for name in _expert_shard_names(ep_size):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"checkpoint {folder}: {name} is missing (moe.ep_size={ep_size} writes "
+                                    f"{', '.join(_expert_shard_names(ep_size))})")
+        shards.append(torch.load(folder / name, map_location="cpu", weights_only=True))
+    return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+
+
+def _save_expert_shard(engine, folder: Path, layout: dict[str, int]) -> None:
+    if layout["ep_size"] > 1 and layout["edp_rank"] == 0:
+        tensors = {n: p.detach().cpu() for n, p in engine.module.expert_parameters()}
+        name = EXPERT_SHARD.format(ep_rank=layout["ep_rank"], ep_size=layout["ep_size"])
+        atomic_write(folder / name, lambda tmp: torch.save(tensors, tmp))
+
+
+def _load_expert_shard(model, folder: Path) -> None:
+    """This rank's expert stacks from its shard file (DeepSpeed's loader put rank 0's share everywhere)."""
+    name = EXPERT_SHARD.format(ep_rank=model.ep_rank, ep_size=model.config.ep_size)
+    tensors = torch.load(folder / name, map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        for key, p in model.expert_parameters():
+            p.copy_(tensors[key])
+
+
 # ------------------------------------------------------------------------------------------------------- save
 def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_last: int) -> Path:
     """Save step `step` (every rank calls this); returns the checkpoint folder, verified on disk."""
@@ -115,7 +171,9 @@ def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
     barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
-    state = {"step": step, "rng": _rng_state(), **trainer_state}
+    layout = expert_layout(engine)
+    _save_expert_shard(engine, partial, layout)
+    state = {"step": step, "rng": _rng_state(), "expert_parallel": layout, **trainer_state}
     atomic_write(partial / TRAINER_STATE.format(rank=rank), lambda tmp: torch.save(state, tmp))
     barrier()
     names = broadcast(sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
@@ -124,7 +182,7 @@ def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_
     files = {k: v for part in _all_gather(mine) for k, v in part.items()}
     if rank == 0:
         manifest = {"format": MANIFEST_FORMAT, "tag": tag, "step": step, "world_size": world,
-                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+                    "ep_size": layout["ep_size"], "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         atomic_write(partial / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
         if final.exists():  # an older save of this step, e.g. by a run that was resumed from before it
             shutil.rmtree(final)
@@ -201,8 +259,8 @@ def verify(folder: Path, checksums: bool = True, world_size: int | None = None) 
         problems.append(f"written by {manifest.get('world_size')} ranks, this run has {nranks}")
     else:
         files = manifest["files"]
-        problems += [f"{TRAINER_STATE.format(rank=r)} is not in the manifest" for r in range(nranks)
-                     if TRAINER_STATE.format(rank=r) not in files]
+        needed = [TRAINER_STATE.format(rank=r) for r in range(nranks)] + _expert_shard_names(manifest.get("ep_size", 1))
+        problems += [f"{name} is not in the manifest" for name in needed if name not in files]
         names = sorted(files)
         problems += [p for n in names[rank::world] if (p := _check_file(folder, n, files[n], checksums))]
     merged: list[str] = []
@@ -229,11 +287,22 @@ def newest_verified(ckpt_dir: Path, checksums: bool = True,
 # ------------------------------------------------------------------------------------------------------- load
 def load(engine, folder: Path) -> dict[str, Any]:
     """Load a verified checkpoint into the engine (model, optimizer, lr scheduler) and restore this rank's
-    RNG state; returns this rank's trainer state."""
+    RNG state; returns this rank's trainer state. A checkpoint of another moe.ep_size is re-partitioned for
+    this one (ling/reshard.py)."""
     rank, _ = rank_world()
-    load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name)
-    if load_path is None:
-        raise FileNotFoundError(f"DeepSpeed could not load checkpoint {folder}")
+    manifest = _read_manifest(folder)
+    saved_ep = manifest.get("ep_size", 1) if isinstance(manifest, dict) else 1
+    layout = expert_layout(engine)
+    if saved_ep != layout["ep_size"]:
+        from ling.reshard import load_resharded
+
+        load_resharded(engine, folder, saved_ep)
+    else:
+        load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name)
+        if load_path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load checkpoint {folder}")
+        if saved_ep > 1:
+            _load_expert_shard(engine.module, folder)
     state = torch.load(folder / TRAINER_STATE.format(rank=rank), weights_only=False)
     _set_rng_state(state["rng"])
     return state

@@ -1,10 +1,22 @@
-"""Build the model, the optimizer, the lr schedule and the DeepSpeed engine from the Hydra config."""
+"""Build the model, the optimizer, the lr schedule and the DeepSpeed engine from the Hydra config.
+
+Expert parallelism (`moe.ep_size` = P > 1): DeepSpeed's groups API (`deepspeed.utils.groups`) creates the
+expert-parallel groups (P consecutive ranks: [0..P-1], [P..2P-1], …; the experts are split over one) and the
+expert-data-parallel groups (the ranks holding the same experts: {r, r+P, r+2P, …}); the model gets its
+expert-parallel group; the expert stacks are marked as DeepSpeed MoE parameters (`allreduce=False`,
+`group_name="ep_size_P"`) and go into DeepSpeed MoE parameter groups (`moe: True`), which ZeRO-1/2 partition
+and reduce over the expert-data-parallel group only (gradients are still divided by the whole world, as the
+dense ones: the experts' tokens came from every rank); dense parameters stay over all ranks.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any
+from unittest import mock
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -15,14 +27,24 @@ from ling.schedule import lr_multiplier
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 
+MOE_KEYS = {"pad_for_fp8": "pad_for_fp8", "pad_multiple": "moe_pad_multiple", "ep_size": "ep_size"}  # → ModelConfig
 OPTIM_KEYS = {"name", "lr", "betas", "eps", "weight_decay", "grad_clip", "schedule", "warmup_steps",
               "min_lr_ratio", "decay_fraction"}
 FP8_OPTIM_KEYS = {"block_size", "min_fp8_numel"}
 
 
 def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> ModelConfig:
-    """The `model` node + the `precision`/`fp8` nodes → ModelConfig; vocab follows the data when null."""
+    """The `model` node + the `moe`/`precision`/`fp8` nodes → ModelConfig; vocab follows the data when null."""
     d: dict[str, Any] = OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[assignment]
+    moe = _as_dict(cfg.get("moe"))  # absent in configs written before the node existed: the defaults
+    unknown = sorted(set(moe) - set(MOE_KEYS))
+    if unknown:
+        raise ValueError(f"moe.{unknown[0]}: unknown key (known: {', '.join(sorted(MOE_KEYS))})")
+    for key, field in MOE_KEYS.items():
+        if field in d:
+            raise ValueError(f"model.{field}: set moe.{key} instead (the moe node carries it into the model)")
+        if key in moe:
+            d[field] = moe[key]
     d["precision"] = cfg.precision.name
     d["fp8_recipe"] = cfg.fp8.recipe
     d["fp8_pow2_scales"] = bool(cfg.fp8.pow2_scales)
@@ -36,6 +58,30 @@ def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> Mode
     return ModelConfig.from_dict(d)
 
 
+def expert_group_name(ep_size: int) -> str:
+    """DeepSpeed's name of the expert-(data-)parallel groups of size `ep_size` (also the MoE params' group_name)."""
+    return f"ep_size_{ep_size}"
+
+
+def expert_parallel_group(ep_size: int, zero_stage: int):
+    """This rank's expert-parallel process group for `moe.ep_size` (None for 1), created once with DeepSpeed's
+    groups API together with the expert-data-parallel groups ZeRO reduces the experts over."""
+    if ep_size == 1:
+        return None
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if zero_stage not in (1, 2):
+        raise ValueError(f"moe.ep_size={ep_size} needs deepspeed.zero_stage 1 or 2 (got {zero_stage}): DeepSpeed "
+                         "reduces MoE parameter groups over their expert-data-parallel group only under ZeRO-1/2")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % ep_size:
+        raise ValueError(f"moe.ep_size={ep_size} does not divide the world size ({world} ranks): the experts are "
+                         "split over groups of ep_size consecutive ranks")
+    groups._create_expert_and_data_parallel(ep_size)  # no-op when they exist
+    return groups._get_expert_parallel_group(expert_group_name(ep_size))
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices; no decay for 1-D parameters (norm gains)."""
     decay, no_decay = [], []
@@ -45,6 +91,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return [g for g in groups if g["params"]]
+
+
+def moe_param_groups(model: LingForCausalLM, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark the expert stacks as DeepSpeed MoE parameters and move them into MoE parameter groups (same
+    hyper-parameters as the group each came from, `moe: True`, named after their expert-parallel group)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    for _, p in model.expert_parameters():
+        p.allreduce = False
+        p.group_name = expert_group_name(model.config.ep_size)
+    return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
 def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig) -> torch.optim.Optimizer:
@@ -121,10 +178,30 @@ def init_partitioned_parameters(model: LingForCausalLM) -> None:
                 model.init_parameter(name, p)
 
 
+@functools.cache
+def _expert_parallel_engine() -> type:
+    """DeepSpeed's engine hands its ZeRO optimizer the expert-data-parallel groups (and configures the MoE
+    parameter groups) only when the model contains DeepSpeed's own `deepspeed.moe.layer.MoE` modules, which
+    ours are not. This subclass raises that flag while the ZeRO optimizer is built and lowers it again, so that
+    checkpoints keep DeepSpeed's plain layout (ling/checkpoint.py writes the experts beside it)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class ExpertParallelEngine(DeepSpeedEngine):
+        def _configure_zero_optimizer(self, optimizer):
+            self.has_moe_layers = True
+            try:
+                return super()._configure_zero_optimizer(optimizer)
+            finally:
+                self.has_moe_layers = False
+
+    return ExpertParallelEngine
+
+
 def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.device):
     """→ (DeepSpeed engine, LambdaLR scheduler). bf16 on GPU, fp32 on CPU; ZeRO stage from config."""
     import deepspeed
 
+    ep_group = expert_parallel_group(model_config.ep_size, int(cfg.deepspeed.zero_stage))
     use_bf16 = device.type == "cuda" and bool(cfg.deepspeed.get("bf16", True))
     ds_config = deepspeed_config(cfg, use_bf16)
     if cfg.optim.name == "fp8_adamw":
@@ -137,18 +214,22 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
         init_partitioned_parameters(model)
     else:
         with torch.device(device):
-            model = LingForCausalLM(model_config)
+            model = LingForCausalLM(model_config, ep_group)
     if cfg.train.get("init_from"):  # start from an HF (BailingMoeV2) checkpoint: exported or published weights
         from ling.hf import load_hf_checkpoint
 
         load_hf_checkpoint(model, cfg.train.init_from)
-    optimizer = build_optimizer(param_groups(model, float(cfg.optim.weight_decay)), cfg.optim)
+    groups = param_groups(model, float(cfg.optim.weight_decay))
+    optimizer = build_optimizer(moe_param_groups(model, groups) if ep_group is not None else groups, cfg.optim)
     # DeepSpeed writes updated weights through `.data` (no autograd version bump): after every optimizer step
     # (whoever calls it: ZeRO's wrapper, a test, another loop) each FP8 weight cache is re-quantized once.
     optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches())
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                   config=ds_config)
+    expert_parallel = (mock.patch.object(deepspeed, "DeepSpeedEngine", _expert_parallel_engine())  # what
+                       if ep_group is not None else contextlib.nullcontext())  # deepspeed.initialize builds
+    with expert_parallel:
+        engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                       config=ds_config)
     return engine, scheduler

@@ -199,6 +199,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         state = read_model_state(ref.folder)
         vocab = OmegaConf.select(run_cfg, "model.vocab_size")
         model_config = model_config_from(run_cfg, vocab or int(state["word_embeddings.weight"].shape[0]))
+        model_config = model_config.replace(ep_size=1)  # every rank evaluates the whole model
         step, tag = ref.step, ref.tag
         suffix = f"-{precision}" if precision else ""
         out_default = ref.run_dir / "eval" / f"{tag}-{cfg.split}{suffix}.json"

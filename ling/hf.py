@@ -216,7 +216,7 @@ def state_dict_names(config: ModelConfig) -> list[tuple[str, torch.Size]]:
     from model.ling import LingForCausalLM
 
     with torch.device("meta"):
-        model = LingForCausalLM(config.replace(precision="bf16"))
+        model = LingForCausalLM(config.replace(precision="bf16", ep_size=1))  # whole expert stacks
     return [(k, v.shape) for k, v in model.state_dict().items()]
 
 
@@ -551,7 +551,8 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
 @torch.no_grad()
 def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
                        dequantize_fp8: bool = False) -> None:
-    """Copy an HF checkpoint's tensors into `model` (a LingForCausalLM, also ZeRO-3-partitioned), exactly
+    """Copy an HF checkpoint's tensors into `model` (a LingForCausalLM, also ZeRO-3-partitioned or holding its
+    expert-parallel share of the experts), exactly
     (cast to each parameter's dtype). strict=False skips tensors the checkpoint lacks instead of raising
     (shapes and config must still match). Every rank calls this."""
     config: ModelConfig = model.config
@@ -564,7 +565,8 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: boo
         targets = dict(model.named_parameters()) | dict(model.named_buffers())
         for m in maps:
             value = read_tensor(reader, m, dequantize_fp8)
-            _assign(targets[m.ours], value)
+            shard = model.expert_shard(m.ours)  # expert parallelism: this rank's experts of the stack
+            _assign(targets[m.ours], value if shard is None else value[shard])
 
 
 def _assign(target: torch.Tensor, value: torch.Tensor) -> None:

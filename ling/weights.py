@@ -3,7 +3,9 @@
 A checkpoint (ling/checkpoint.py) is DeepSpeed's folder `<ckpt dir>/<tag>/`: under ZeRO 0-2 one
 `mp_rank_00_model_states.pt` holds the whole module state (parameters in the training dtype + buffers such
 as the expert bias); under ZeRO-3 the module is partitioned and DeepSpeed's `zero_to_fp32` rebuilds it from
-the fp32 partitions. The run's `resolved_config.yaml` (in its run dir) gives the model and data config.
+the fp32 partitions. With expert parallelism (moe.ep_size > 1) the expert stacks are joined from the
+checkpoint's `experts_ep{k}_of{P}.pt` files, so the state read is always the whole model's (ep_size 1). The
+run's `resolved_config.yaml` (in its run dir) gives the model and data config.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class CheckpointRef:
             vocab = int((state or read_model_state(self.folder))["word_embeddings.weight"].shape[0])
         if precision is not None:
             OmegaConf.update(cfg, "precision.name", precision, force_add=True)
-        return model_config_from(cfg, vocab)
+        return model_config_from(cfg, vocab).replace(ep_size=1)  # the weights read here hold every expert
 
 
 def _is_checkpoint_folder(p: Path) -> bool:
@@ -95,10 +97,13 @@ def read_model_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The module state_dict (parameters and persistent buffers, on CPU) of one DeepSpeed checkpoint folder."""
     folder = Path(folder)
     if (folder / MODEL_STATES).is_file():
+        from ling.checkpoint import read_expert_shards
+
         states = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
         if "module" not in states or states["module"] is None:
             raise ValueError(f"{folder / MODEL_STATES}: no 'module' entry (not a DeepSpeed model-states file)")
-        return dict(states["module"])
+        # expert parallelism: the model-states file holds expert-parallel rank 0's experts; the shards hold all
+        return {**states["module"], **read_expert_shards(folder)}
     if (folder / ZERO3_MODEL_STATES).is_file():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -43,6 +43,9 @@ class ModelConfig:
     # (None: on iff precision == "fp8"); the grouped FP8 kernels use the 16-alignment for 16-byte loads
     pad_for_fp8: bool | None = None
     moe_pad_multiple: int = 16
+    # expert parallelism (`moe.ep_size`): the experts are split evenly over the ranks of an expert-parallel
+    # process group (ling/engine.py creates it and hands it to the model); 1 = every rank holds every expert
+    ep_size: int = 1
     # Multi-Token Prediction
     num_mtp_layers: int = 1
     mtp_loss_weight: float = 0.1
@@ -97,6 +100,9 @@ class ModelConfig:
         need(self.num_mtp_layers >= 0, "num_mtp_layers", f"must be >= 0, got {self.num_mtp_layers}")
         need(self.precision in ("bf16", "fp8"), "precision", f"must be 'bf16' or 'fp8', got {self.precision!r}")
         need(self.moe_pad_multiple >= 1, "moe_pad_multiple", f"must be >= 1, got {self.moe_pad_multiple}")
+        if not (isinstance(self.ep_size, int) and self.ep_size >= 1 and self.num_experts % self.ep_size == 0):
+            raise ValueError(f"moe.ep_size={self.ep_size} must be a positive divisor of model.num_experts="
+                             f"{self.num_experts} (each expert-parallel rank holds num_experts / ep_size experts)")
         if self.precision == "fp8" and self.fp8_recipe == "blockwise":
             for key in ("hidden_size", "expert_intermediate_size"):
                 need(getattr(self, key) % 128 == 0, key,
@@ -118,6 +124,11 @@ class ModelConfig:
     @property
     def pad_for_fp8_resolved(self) -> bool:
         return self.precision == "fp8" if self.pad_for_fp8 is None else bool(self.pad_for_fp8)
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts held by one expert-parallel rank."""
+        return self.num_experts // self.ep_size
 
     @property
     def recompute_mode(self) -> str:

@@ -18,15 +18,27 @@ never waits for the GPU here:
 
 `permute` / `unpermute` are the bf16 path's gather and ordered gather-sum with their adjoints (no atomics,
 deterministic); the FP8 experts fuse both into their own kernels (`fp8.grouped.fp8_grouped_experts`).
-Expert parallelism (`moe.ep_size` > 1) adds an all-to-all exchange between plan and experts; see the
-expert-parallel issue.
+
+Expert parallelism (`moe.ep_size` = P > 1, `expert_parallel`): rank r of the expert-parallel group holds the
+experts r·E/P … (r+1)·E/P − 1. The sender plans over all E experts *without* padding, gathers its T·k rows
+(sorted by expert, so each destination's rows are contiguous) with their gates, exchanges the per-expert
+counts (all_to_all on the device), then the rows and gates (all_to_all with uneven splits). The receiver sees,
+from each source rank in rank order, that rank's rows for each of its experts; `plan_dispatch` over those rows
+(k = 1, local expert ids) sorts them stably into one segment per local expert — source 0's tokens, then source
+1's, … — and pads each segment at its end (routing-map padding happens here, on the receiving side, so that a
+segment is laid out exactly as one process holding the whole global batch would lay it out: the same rows in
+the same order, the same 16-aligned offsets, hence the same bits). The experts run on those rows, their
+outputs go back by the reverse exchange, and the sender combines them as without expert parallelism. Both
+exchanges are autograd functions whose backward is the reverse exchange.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from fp8.grouped import GroupedRows, gather_rows, sum_rows
 
@@ -107,7 +119,7 @@ def _pad_tokens(sorted_token, sorted_expert, rank, e: int, a: int, t: int) -> to
     hist.scatter_add_(0, sorted_expert * a + gaps, torch.ones_like(gaps))
     before = torch.cumsum(hist.view(e, a), 1)[:, : a - 1]  # routed tokens before the j-th unrouted one
     token = torch.arange(a - 1, device=sorted_token.device)[None, :] + before
-    return token % t
+    return token % max(t, 1)  # t = 0: an expert-parallel rank that received no rows (no pad slot is used)
 
 
 class _Permute(torch.autograd.Function):
@@ -152,3 +164,63 @@ def row_gates(topk_weight: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Gates [T, k] → per-row gates [M] (0 for pad and unused rows), differentiable (its adjoint is a gather)."""
     flat = topk_weight.reshape(-1)
     return flat.new_zeros(plan.rows.num_rows).index_copy(0, plan.pos.reshape(-1).long(), flat)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Expert parallelism
+# ----------------------------------------------------------------------------------------------------------
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], out_rows: int, group) -> torch.Tensor:
+    """all_to_all of rows: x[:sum(send)] goes out in `send` splits (one per rank of `group`, in rank order), the
+    `recv` splits arrive in rank order into out[:sum(recv)] of a new [out_rows, ...] tensor (the rest zero)."""
+    n_in, n_out = sum(send), sum(recv)
+    out = x.new_empty(out_rows, *x.shape[1:])
+    out[n_out:].zero_()
+    dist.all_to_all_single(out[:n_out], x[:n_in].contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                           group=group)  # fmt: skip
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_exchange` with the reverse exchange as its backward (gradient rows travel back to where the rows came
+    from; rows of x past sum(send) get zero gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, out_rows, group):
+        ctx.send, ctx.recv, ctx.in_rows, ctx.group = send, recv, x.shape[0], group
+        return _exchange(x, send, recv, out_rows, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.in_rows, ctx.group), None, None, None, None
+
+
+Experts = Callable[[torch.Tensor, torch.Tensor, DispatchPlan], torch.Tensor]
+
+
+def expert_parallel(experts: Experts, x: torch.Tensor, topk_weight: torch.Tensor, plan: DispatchPlan,
+                    pad_multiple: int, group) -> torch.Tensor:  # fmt: skip
+    """The routed experts' output Σ_j topk_weight[t, j]·expert_{e(t,j)}(x[t]) [T, H], the experts split over the
+    P ranks of `group` (see the module doc).
+
+    x [T, H] this rank's tokens; topk_weight [T, k]; plan: `plan_dispatch` of this rank's choices over all E
+    experts without padding; experts(rows [N, H], gates [N, 1], local plan) → [N, H] runs this rank's E/P
+    experts (`GroupedExperts`) on the N rows it received, padded to `pad_multiple` per expert.
+
+    One host sync: `all_to_all_single` with uneven splits takes the split sizes as host lists, so after the
+    on-device exchange of the per-expert counts the host reads them once (the return exchange and both
+    backward exchanges reuse them)."""
+    ep = dist.get_world_size(group)
+    local = plan.tokens_per_expert.numel() // ep
+    counts = plan.tokens_per_expert.view(ep, local)  # [destination rank, its local expert]
+    recv_counts = torch.empty_like(counts)  # [source rank, my local expert]
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    splits = torch.cat([counts.sum(1), recv_counts.sum(1)]).tolist()  # the host sync
+    send, recv = splits[:ep], splits[ep:]
+    n_recv = sum(recv)
+    rows = _AllToAll.apply(permute(x, plan), send, recv, n_recv, group)
+    gates = _AllToAll.apply(row_gates(topk_weight, plan)[:, None], send, recv, n_recv, group)
+    expert_ids = torch.arange(local, device=x.device).repeat(ep)
+    expert_of_row = expert_ids.repeat_interleave(recv_counts.flatten(), output_size=n_recv)
+    local_plan = plan_dispatch(expert_of_row[:, None], local, pad_multiple)
+    y = experts(rows, gates, local_plan)
+    return unpermute(_AllToAll.apply(y, recv, send, plan.rows.num_rows, group), plan)

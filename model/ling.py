@@ -5,24 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
 from model.layers import MLP, Attention, AttentionMask, RMSNorm, RotaryEmbedding, attention_mask, scope
 from model.loss import IGNORE_INDEX, LMHead, cross_entropy
-from model.moe import MoE, Router, RouterOutput
+from model.moe import GroupedExperts, MoE, Router, RouterOutput, check_expert_parallel_group
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is dense or MoE."""
 
-    def __init__(self, config: ModelConfig, moe: bool) -> None:
+    def __init__(self, config: ModelConfig, moe: bool, ep_group=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.attention = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.mlp: nn.Module = MoE(config) if moe else MLP(config.hidden_size, config.dense_intermediate_size, config)
+        self.mlp: nn.Module = (MoE(config, ep_group) if moe
+                               else MLP(config.hidden_size, config.dense_intermediate_size, config))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,12 +43,12 @@ class DecoderLayer(nn.Module):
 class MTPLayer(nn.Module):
     """One MTP depth: h' = final_norm(layer(eh_proj(cat[enorm(embed(ids shifted by d)), hnorm(h)])))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ep_group=None) -> None:
         super().__init__()
         self.enorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)  # stays high precision
-        self.transformer_layer = DecoderLayer(config, moe=True)
+        self.transformer_layer = DecoderLayer(config, moe=True, ep_group=ep_group)
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,28 +85,54 @@ class LingForCausalLM(nn.Module):
     forward(input_ids int64 [B, T], labels int64 [B, T] | None, doc_ids int64 [B, T] | None,
     return_logits bool | None) → LingOutput. labels[:, t] is the token after input_ids[:, t]; MTP depth d
     predicts labels shifted d more positions.
+
+    Expert parallelism (`config.ep_size` > 1): `ep_group` is this rank's expert-parallel process group (of
+    ep_size ranks); every MoE layer holds only this rank's share of the experts, under the same parameter names
+    (`...mlp.experts.gate_up_proj` [num_experts / ep_size, ...]), and exchanges rows with the group's ranks.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ep_group=None) -> None:
         super().__init__()
         if config.vocab_size is None:
             raise ValueError("model.vocab_size is None: resolve it from the tokenizer before building the model")
         self.config = config
+        ep_group = check_expert_parallel_group(config, ep_group)
+        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0  # which experts this rank holds
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, moe) for moe in config.is_moe_layer)
+        self.layers = nn.ModuleList(DecoderLayer(config, moe, ep_group) for moe in config.is_moe_layer)
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
-        self.mtp_layers = nn.ModuleList(MTPLayer(config) for _ in range(config.num_mtp_layers))
+        self.mtp_layers = nn.ModuleList(MTPLayer(config, ep_group) for _ in range(config.num_mtp_layers))
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_base)
         self.reset_parameters()
 
     @torch.no_grad()
     def init_parameter(self, name: str, p: torch.Tensor) -> None:
-        """Normal(0, init_std) for a matrix (or stacked expert matrices), ones for a norm gain."""
+        """Normal(0, init_std) for a matrix (or stacked expert matrices), ones for a norm gain. This rank's share
+        of an expert stack is its slice of the whole stack drawn at once: the same values whatever moe.ep_size."""
         if p.dim() >= 2:
-            nn.init.normal_(p, 0.0, self.config.init_std)
+            shard = self.expert_shard(name)
+            if shard is None:
+                nn.init.normal_(p, 0.0, self.config.init_std)
+            else:
+                full = p.new_empty(self.config.num_experts, *p.shape[1:])
+                p.copy_(nn.init.normal_(full, 0.0, self.config.init_std)[shard])
         elif name.endswith("weight"):  # RMSNorm gains
             nn.init.ones_(p)
+
+    def expert_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of every routed-expert stack (the tensors split by expert parallelism)."""
+        return [(f"{m_name}.{p_name}", p) for m_name, m in self.named_modules() if isinstance(m, GroupedExperts)
+                for p_name, p in m.named_parameters()]
+
+    def expert_shard(self, name: str) -> slice | None:
+        """For an expert stack split by expert parallelism (ep_size > 1): the global experts it holds here, i.e.
+        its slice along dim 0 of the whole [num_experts, ...] stack; None for every other tensor."""
+        owner = name.rpartition(".")[0]
+        if self.config.ep_size == 1 or not owner.endswith("mlp.experts"):
+            return None
+        module = self.get_submodule(owner)
+        return module.local_experts if isinstance(module, GroupedExperts) else None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -194,7 +222,7 @@ class ParameterCount:
 def count_parameters(config: ModelConfig) -> ParameterCount:
     """Count on the meta device (no memory): total and activated, main model and MTP separately."""
     with torch.device("meta"):
-        model = LingForCausalLM(config)
+        model = LingForCausalLM(config.replace(ep_size=1))  # the whole model, whatever moe.ep_size
     inactive_frac = 1.0 - config.num_experts_per_tok / config.num_experts
 
     def count(modules) -> tuple[int, int]:

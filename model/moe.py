@@ -3,7 +3,9 @@
 One MoE forward: router (fp32 logits, group-limited top-k) → `plan_dispatch` (expert-sorted rows, optional
 routing-map padding; model/dispatch.py) → `GroupedExperts` (bf16: two `torch._grouped_mm`; fp8: the
 blockwise-FP8 grouped kernels of fp8/grouped.py) with the gate folded into the down projection's input → the
-ordered combine; plus the shared expert. Nothing on this path waits for the host.
+ordered combine; plus the shared expert. Nothing on this path waits for the host. With expert parallelism
+(`moe.ep_size` > 1, an expert-parallel process group given) each rank holds E / ep_size experts and the rows
+travel to them and back by all-to-all (`model.dispatch.expert_parallel`: one host sync per layer forward).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.dispatch import DispatchPlan, permute, plan_dispatch, row_gates, unpermute
+from model.dispatch import DispatchPlan, expert_parallel, permute, plan_dispatch, row_gates, unpermute
 from model.layers import MLP, scope
 
 
@@ -120,9 +122,22 @@ def update_expert_biases(routers: list[Router], rate: float) -> list[dict[str, f
     return [{"max_over_mean": v} for v in ratio.flatten().tolist()]
 
 
+def check_expert_parallel_group(config: ModelConfig, group):
+    """The expert-parallel process group to use (None without expert parallelism); raise if it does not fit."""
+    if config.ep_size == 1:
+        return None
+    if group is None or dist.get_world_size(group) != config.ep_size:
+        size = None if group is None else dist.get_world_size(group)
+        raise ValueError(f"moe.ep_size={config.ep_size}: the model needs its expert-parallel process group of "
+                         f"{config.ep_size} ranks (got {'none' if size is None else f'one of {size} ranks'}); "
+                         "ling.engine.build_engine creates it")
+    return group
+
+
 class GroupedExperts(nn.Module):
-    """`num_experts` SwiGLU experts stored stacked: gate_up_proj [E, 2·I, H] (rows gate | up) and down_proj
-    [E, H, I], each expert an nn.Linear-style [out, in] matrix.
+    """SwiGLU experts stored stacked: gate_up_proj [E_l, 2·I, H] (rows gate | up) and down_proj [E_l, H, I],
+    each expert an nn.Linear-style [out, in] matrix. E_l = num_experts / ep_size experts are held here: the
+    global experts first_expert … first_expert + E_l − 1 (all of them without expert parallelism).
 
     forward(x [T, H], topk_weight [T, k], plan) → Σ_j topk_weight[t, j] · expert_{e(t,j)}(x[t]) [T, H], the
     gate applied to the down projection's input (the same maths as weighting the output), summed in fp32.
@@ -131,10 +146,11 @@ class GroupedExperts(nn.Module):
     `torch._grouped_mm` per projection; elsewhere a loop over the segments.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ep_rank: int = 0) -> None:
         super().__init__()
-        E, H, inter = config.num_experts, config.hidden_size, config.expert_intermediate_size
-        self.num_experts = E
+        E, H, inter = config.num_local_experts, config.hidden_size, config.expert_intermediate_size
+        self.num_experts, self.num_local_experts = config.num_experts, E
+        self.first_expert = ep_rank * E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.fp8 = config.precision == "fp8"
@@ -146,7 +162,14 @@ class GroupedExperts(nn.Module):
             quantize = lambda w: quantize_expert_weights(w, self.pow2_scales)  # noqa: E731
             self._gate_up_fp8, self._down_fp8 = WeightCache(quantize), WeightCache(quantize)
 
+    @property
+    def local_experts(self) -> slice:
+        """The global experts held here (dim 0 of the full [num_experts, ...] stacks)."""
+        return slice(self.first_expert, self.first_expert + self.num_local_experts)
+
     def forward(self, x: torch.Tensor, topk_weight: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """x [T, H] tokens (under expert parallelism: the received rows), topk_weight [T, k], plan over the
+        local experts → [T, H]."""
         if self.fp8:
             from fp8.grouped import fp8_grouped_experts
 
@@ -185,12 +208,15 @@ class MoE(nn.Module):
     """Routed experts (gated, summed in fp32) plus the shared expert (added unscaled).
 
     Routing-map padding (`pad_for_fp8`, on by default under FP8) rounds every expert's row count up to
-    `pad_multiple` with gate-0 pad rows (model/dispatch.py); outputs and gradients are unchanged by it."""
+    `pad_multiple` with gate-0 pad rows (model/dispatch.py); outputs and gradients are unchanged by it.
+    `ep_group`: the expert-parallel process group of `config.ep_size` ranks (None when ep_size is 1); this rank
+    holds the experts of its rank in that group."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ep_group=None) -> None:
         super().__init__()
+        self.ep_group = check_expert_parallel_group(config, ep_group)
         self.router = Router(config)
-        self.experts = GroupedExperts(config)
+        self.experts = GroupedExperts(config, dist.get_rank(self.ep_group) if self.ep_group is not None else 0)
         self.shared_experts = (
             MLP(config.hidden_size, config.expert_intermediate_size * config.num_shared_experts, config)
             if config.num_shared_experts > 0 else None
@@ -203,11 +229,21 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         with scope("router"):
             routing = self.router(flat)
-        with scope("dispatch"):
-            plan = plan_dispatch(routing.topk_idx, self.router.num_experts, self.pad_multiple)
-        with scope("experts"):
-            out = self.experts(flat, routing.topk_weight, plan).view(shape)
+        out = self.routed_experts(flat, routing.topk_idx, routing.topk_weight).view(shape)
         if self.shared_experts is not None:
             with scope("shared_expert"):
                 out = out + self.shared_experts(x)
         return out, routing
+
+    def routed_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """x [T, H], the router's choices int64 [T, k] and gates [T, k] → Σ_j gate·expert(x) [T, H]: here, or
+        through the expert-parallel exchange (the sender plans without padding; the experts' side pads)."""
+        if self.ep_group is None:
+            with scope("dispatch"):
+                plan = plan_dispatch(topk_idx, self.router.num_experts, self.pad_multiple)
+            with scope("experts"):
+                return self.experts(x, topk_weight, plan)
+        with scope("dispatch"):
+            plan = plan_dispatch(topk_idx, self.router.num_experts)
+        with scope("expert_parallel"):
+            return expert_parallel(self.experts, x, topk_weight, plan, self.pad_multiple, self.ep_group)
