@@ -2,6 +2,8 @@
 grouped GEMMs, the whole MoE layer forward+backward, the padded-row fraction and a kernel profile.
 
     python bench/bench_moe.py [--tokens 4096,16384] [--experts 256] [--sweep] [--profile] [--out DIR]
+    python bench/bench_moe.py --dispatch [--tokens ...]      # the ep_size=1 dispatch alone (compare commits)
+    torchrun --nproc_per_node N bench/bench_moe.py --ep [--tokens ...]   # expert parallelism over N GPUs
 
 Grouped GEMMs (TFLOPS = 2·(routed rows)·N·K / median time; our padded rows are not counted): ours (blockwise
 FP8, fp8/grouped.py, with routing-map padding to 16) vs `torch._grouped_mm` bf16 vs `torch._scaled_grouped_mm`
@@ -9,6 +11,13 @@ with rowwise FP8 scales (cuBLAS/CUTLASS; forward and dgrad only). MoE layer: rou
 combine + shared expert, forward+backward, FP8 (padding on/off) vs bf16, weights cached as within one
 optimizer step of gradient accumulation. Routing comes from the real router with random weights and a mild
 imbalance. Markdown tables are printed last.
+
+`--dispatch`: the dispatch of one layer without expert parallelism, on its own: `plan_dispatch` (routing-map
+padding to 16) and the bf16 permute + combine forward+backward, median ms, plus the host syncs counted by
+CUDA's sync debug mode (0). `--ep` (under torchrun, N ranks = N GPUs, each routing its own tokens): one MoE
+layer forward+backward with moe.ep_size = N against the layer holding all experts on the same tokens per GPU
+(slowest rank's median), the all-to-all of one layer's rows alone, and the host syncs of one forward (1: the
+split sizes). Timed with a fixed number of iterations so that every rank issues the same collectives.
 """
 
 from __future__ import annotations
@@ -17,16 +26,18 @@ import argparse
 import itertools
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fp8 import grouped as G  # noqa: E402
 from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.dispatch import plan_dispatch  # noqa: E402
+from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
 from model.moe import MoE, Router  # noqa: E402
 
 H, INTER, TOPK = 2048, 512, 8
@@ -50,6 +61,36 @@ def gpu_busy_ms(fn, iters: int = 5) -> float:
             fn()
         torch.cuda.synchronize()
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / iters
+
+
+def fixed_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median ms of `iters` calls after `warmup` (CUDA events; a fixed count, so that every rank of a
+    distributed run issues the same collectives, which do_bench's adaptive count would not)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def host_syncs(fn) -> int:
+    """How many times `fn` makes the host wait for the GPU (CUDA's sync debug mode warns once per sync)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def routing(tokens: int, experts: int, seed: int = 0):
@@ -205,6 +246,60 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
     return results
 
 
+def dispatch_rows(tokens: int, experts: int) -> dict:
+    """ep_size=1: plan_dispatch alone and the bf16 permute + combine forward+backward (no experts)."""
+    idx, _ = routing(tokens, experts)
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    plan = plan_dispatch(idx, experts, 16)
+
+    def move():
+        x.grad = None
+        unpermute(permute(x, plan), plan).backward(g)
+
+    return {"tokens": tokens, "experts": experts, "plan_ms": bench(lambda: plan_dispatch(idx, experts, 16)),
+            "move_ms": bench(move), "syncs": host_syncs(lambda: plan_dispatch(idx, experts, 16))}  # fmt: skip
+
+
+def ep_rows(tokens: int, experts: int) -> list[dict]:
+    """moe.ep_size = world against the whole layer, `tokens` per GPU (run under torchrun)."""
+    base = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
+    variants = {"bf16": base, "fp8": base.replace(precision="fp8")}
+    results = [ep_variant(name, cfg, tokens) for name, cfg in variants.items()]
+    torch.cuda.empty_cache()
+    return results
+
+
+def ep_variant(name: str, cfg: ModelConfig, tokens: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    whole = MoE(cfg).cuda().bfloat16()
+    for p in whole.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    split = MoE(cfg.replace(ep_size=world), dist.group.WORLD).cuda().bfloat16()
+    shard = split.experts.local_experts
+    split.load_state_dict({k: v[shard] if ".experts." in f".{k}" else v for k, v in whole.state_dict().items()})
+    torch.manual_seed(1 + rank)
+    x = torch.randn(1, tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def step(moe):
+        for p in moe.parameters():
+            p.grad = None
+        x.grad = None
+        moe(x)[0].backward(g)
+
+    rows = torch.randn(tokens * TOPK, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(rows)
+    times = torch.tensor([fixed_ms(lambda: step(whole)), fixed_ms(lambda: step(split)),
+                          fixed_ms(lambda: dist.all_to_all_single(out, rows))], device="cuda")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    with torch.no_grad():
+        syncs = host_syncs(lambda: split(x))
+    return {"variant": name, "tokens": tokens, "ep": world, "whole_ms": float(times[0]), "ep_ms": float(times[1]),
+            "a2a_ms": float(times[2]), "syncs": syncs}
+
+
 def padded_fraction(tokens: int, experts: int) -> dict:
     idx, _ = routing(tokens, experts)
     plan = plan_dispatch(idx, experts, 16)
@@ -306,10 +401,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-gemm", action="store_true")
     ap.add_argument("--skip-layer", action="store_true")
+    ap.add_argument("--dispatch", action="store_true", help="only the ep_size=1 dispatch table")
+    ap.add_argument("--ep", action="store_true", help="only the expert-parallel table (under torchrun)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
     report: dict = {"device": torch.cuda.get_device_name()}
+    if args.dispatch or args.ep:
+        return dispatch_or_ep(args, token_counts, report)
     if args.sweep:
         report["sweep"] = sweep(token_counts[-1], args.experts)
         for kind in dict.fromkeys(r["kind"] for r in report["sweep"]):
@@ -355,6 +454,34 @@ def main() -> None:
         print(f"| {r['tokens']} | {r['variant']} | {r['ms']:.2f} | {base['ms'] / r['ms']:.2f}x | {r['busy_ms']:.2f} | "
               f"{base['busy_ms'] / r['busy_ms']:.2f}x | {r['expert_tflops']:.0f} | {r['saved_mib']:.0f} | "
               f"{r['peak_mib']:.0f} |")
+
+
+def dispatch_or_ep(args, token_counts: list[int], report: dict) -> None:
+    if args.dispatch:
+        report["dispatch"] = [dispatch_rows(t, args.experts) for t in token_counts]
+        print(f"\n### Dispatch without expert parallelism (ep_size=1), {args.experts} experts, {report['device']}\n")
+        print("| tokens | plan_dispatch ms | permute + combine fwd+bwd ms | host syncs |")
+        print("|---|---|---|---|")
+        for r in report["dispatch"]:
+            print(f"| {r['tokens']} | {r['plan_ms']:.3f} | {r['move_ms']:.3f} | {r['syncs']} |")
+    if args.ep:
+        import os
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        report["ep"] = [r for t in token_counts for r in ep_rows(t, args.experts)]
+        if dist.get_rank() == 0:
+            print(f"\n### Expert parallelism, {args.experts} experts, {dist.get_world_size()} × {report['device']}\n")
+            print("| tokens per GPU | variant | all experts per GPU ms | ep_size=N ms | all-to-all of the rows ms "
+                  "| host syncs per forward |")
+            print("|---|---|---|---|---|---|")
+            for r in report["ep"]:
+                print(f"| {r['tokens']} | {r['variant']} | {r['whole_ms']:.2f} | {r['ep_ms']:.2f} | "
+                      f"{r['a2a_ms']:.2f} | {r['syncs']} |")
+        dist.destroy_process_group()
+    if args.out and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_moe_dispatch.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ class SavedZeroState:
     def __init__(self, folder: Path, world: int, expert_names: set[str], numel: dict[str, int]) -> None:
         self.sds = [torch.load(folder / ZERO_FILE.format(rank=r), map_location="cpu", mmap=True,
                                weights_only=False)["optimizer_state_dict"] for r in range(world)]  # fmt: skip
-        layouts = [torch.load(folder / TRAINER_STATE.format(rank=r), weights_only=False)["expert_parallel"]
+        no_ep = {"ep_size": 1, "ep_rank": 0}  # checkpoints from before expert parallelism
+        layouts = [torch.load(folder / TRAINER_STATE.format(rank=r), weights_only=False).get("expert_parallel", no_ep)
                    for r in range(world)]  # fmt: skip
         self.ep_size = layouts[0]["ep_size"]
         found: dict[str, list[tuple[tuple[int, int], int, int, Any]]] = {}

@@ -146,8 +146,8 @@ class Trainer:
         self.recent_losses: deque[float] = deque(maxlen=10)
         self.val_metrics: dict[str, float] = {}
         self.timed = [0, 0.0]  # steps and seconds of this session after its first step (tokens/s)
-        log.info("model: %s; linears=%s; ranks=%d; device=%s; run dir %s", self.counts, self.model_config.precision,
-                 self.world, self.device, run_dir)
+        log.info("model: %s; linears=%s; ranks=%d (moe.ep_size=%d); device=%s; run dir %s", self.counts,
+                 self.model_config.precision, self.world, self.model_config.ep_size, self.device, run_dir)
         if resume_from is not None:
             log.info("resumed from %s at step %d", resume_from, self.start_step)
 

@@ -38,14 +38,22 @@ def init_dist() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    """CPU (fp32) or, on a CUDA machine, this rank's GPU (bf16)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
 def layer_pair(precision: str, pad: bool, world: int, group, **overrides) -> tuple[MoE, MoE]:
     """(whole layer, this rank's expert-parallel layer) with the same weights."""
     cfg = ModelConfig.preset("tiny", vocab_size=64, precision=precision, pad_for_fp8=pad, **overrides)
+    device, dtype = device_and_dtype()
     torch.manual_seed(0)
-    whole = MoE(cfg)
+    whole = MoE(cfg).to(device, dtype)
     for p in whole.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    split = MoE(cfg.replace(ep_size=world), group)
+    split = MoE(cfg.replace(ep_size=world), group).to(device, dtype)
     state = whole.state_dict()
     shard = split.experts.local_experts
     split.load_state_dict({k: v[shard] if ".experts." in f".{k}" else v for k, v in state.items()})
@@ -66,8 +74,9 @@ def check_layer(precision: str, pad: bool, starve: bool, rank: int, world: int, 
     compare the whole layer's forward; per_rank: tokens per rank; overrides: of the tiny preset."""
     whole, split = layer_pair(precision, pad, world, dist.group.WORLD, **overrides)
     tokens, h, e = per_rank * world, whole.router.weight.shape[1], whole.router.num_experts
+    device, dtype = device_and_dtype()
     gen = torch.Generator().manual_seed(1)
-    x, g = torch.randn(tokens, h, generator=gen), torch.randn(tokens, h, generator=gen)
+    x, g = (torch.randn(tokens, h, generator=gen).to(device, dtype) for _ in range(2))
     with torch.no_grad():
         if starve:
             for moe in (whole, split):
@@ -80,7 +89,11 @@ def check_layer(precision: str, pad: bool, starve: bool, rank: int, world: int, 
     pairs = {"out": (got[0], ref[0][rows]), "dx": (got[1], ref[1][rows]), "dgate": (got[2], ref[2][rows])}
     for name, (mine, theirs) in zip(("gate_up_proj", "down_proj"), zip(got[3], ref[3])):
         pairs[f"grad {name}"] = (mine if mine is not None else torch.zeros_like(theirs[shard]), theirs[shard])
-    bad = [k for k, (a, b) in pairs.items() if not torch.equal(a, b)]
+    if device.type == "cuda" and precision == "bf16":  # torch._grouped_mm (cuBLAS) may pick other kernels for
+        # other group counts and sizes: bf16 rounding; bound 1 % of the norm (an assumption, not measured here)
+        bad = [k for k, (a, b) in pairs.items() if float((a - b).float().norm()) > 1e-2 * float(b.float().norm())]
+    else:  # CPU (the experts' loop, FP8 references) and the FP8 Triton kernels: the same segments, the same bits
+        bad = [k for k, (a, b) in pairs.items() if not torch.equal(a, b)]
     assert not bad, f"rank {rank} {precision} pad={pad} starve={starve}: not bit-identical: {bad}"
     received = int(routing.tokens_per_expert.view(world, -1)[rank].sum())
     if not full:
@@ -89,7 +102,10 @@ def check_layer(precision: str, pad: bool, starve: bool, rank: int, world: int, 
     # so its logits may differ in the last bit; everything else follows
     out, _ = split(x[rows][None])
     want, _ = whole(x[None])
-    torch.testing.assert_close(out[0], want[0, rows], rtol=1e-5, atol=1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[0], want[0, rows], rtol=1e-5, atol=1e-6)
+    else:  # bf16 on the GPU: a gate one ulp off can move an E4M3 rounding; bound 2 % of the norm (assumed)
+        assert float((out[0] - want[0, rows]).float().norm()) <= 2e-2 * float(want[0, rows].float().norm())
     return {"received": received, "assignments": int(routing.topk_idx.numel())}
 
 
