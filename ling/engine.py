@@ -227,9 +227,10 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    expert_parallel = (mock.patch.object(deepspeed, "DeepSpeedEngine", _expert_parallel_engine())  # what
-                       if ep_group is not None else contextlib.nullcontext())  # deepspeed.initialize builds
-    with expert_parallel:
+    # under expert parallelism, deepspeed.initialize builds the ExpertParallelEngine (see there)
+    engine_class = (mock.patch.object(deepspeed, "DeepSpeedEngine", _expert_parallel_engine())
+                    if ep_group is not None else contextlib.nullcontext())
+    with engine_class:
         engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                        config=ds_config)
     return engine, scheduler

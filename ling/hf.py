@@ -552,9 +552,8 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
 def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
                        dequantize_fp8: bool = False) -> None:
     """Copy an HF checkpoint's tensors into `model` (a LingForCausalLM, also ZeRO-3-partitioned or holding its
-    expert-parallel share of the experts), exactly
-    (cast to each parameter's dtype). strict=False skips tensors the checkpoint lacks instead of raising
-    (shapes and config must still match). Every rank calls this."""
+    expert-parallel share of the experts), exactly (cast to each parameter's dtype). strict=False skips tensors
+    the checkpoint lacks instead of raising (shapes and config must still match). Every rank calls this."""
     config: ModelConfig = model.config
     with HFReader(path) as reader:
         if strict:
