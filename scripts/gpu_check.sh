@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels
 # (fill .whl first with `bash ../shared/tools/gpu_wheels.sh torchao==0.17.0`), run every `gpu` test, then
-# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe]
-# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE time limits, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS,
-# TEST_FILES (default tests/), WITH_PEERS=1)
+# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe] [ep]
+# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE / T_EP time limits, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS
+# e.g. --dispatch, EP_ARGS, EP_GPUS (default: all), TEST_FILES (default tests/), WITH_PEERS=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -24,6 +24,8 @@ for s in $steps; do
     linear) timeout "${T_LINEAR:-200}" python3 bench/bench_fp8_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
              | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
     moe) timeout "${T_MOE:-300}" python3 bench/bench_moe.py --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe.log" | tail -60 ;;
+    ep) timeout "${T_EP:-300}" python3 -m torch.distributed.run --nproc_per_node "${EP_GPUS:-$(nvidia-smi -L | wc -l)}" \
+             bench/bench_moe.py --ep --out "$OUT" ${EP_ARGS:-} 2>&1 | tee "$OUT/bench_moe_ep.log" | tail -30 ;;
     adam) timeout "${T_ADAM:-150}" python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
   esac
 done

@@ -23,7 +23,9 @@ from fp8.adam import (
     dequantize_blockwise_reference,
     fp8_adamw_update_reference,
     fp8_adamw_update_triton,
+    moment_slice,
     quantize_blockwise_reference,
+    state_from_moments,
 )
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -504,3 +506,26 @@ def test_tiny_run_300_steps_matches_fp32_adamw():
         torch.set_num_threads(threads)
     print(f"tiny run final loss: fp8 {finals['fp8']:.4f}, fp32 {finals['fp32']:.4f}")
     assert abs(finals["fp8"] - finals["fp32"]) / finals["fp32"] < 0.01
+
+
+def test_state_from_moments_and_moment_slice_move_moments_between_partitions():
+    """What re-partitioning a checkpoint does (ling/reshard.py): per-element moments → the state a step would
+    write (E4M3 blocks of m and sqrt(v)) → any element range back, dequantized from only its blocks, equal to
+    the whole tensor's dequantization; below min_fp8_numel the moments stay fp32 and move exactly."""
+    gen = torch.Generator().manual_seed(7)
+    n, bs = 1000, 128
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = torch.rand(n, generator=gen) * 1e-6
+    v[::7] = 0.0
+    st = state_from_moments(m, v, 5, bs, min_fp8_numel=16)
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_scale"].shape == (8,) and float(st["step"]) == 5.0
+    m_all = dequantize_blockwise_reference(st["exp_avg"], st["exp_avg_scale"], bs)
+    r_all = dequantize_blockwise_reference(st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"], bs)
+    assert torch.equal(quantize_blockwise_reference(m, bs)[0], st["exp_avg"])
+    assert float((r_all * r_all - v).abs().max()) <= 2.0**-3 * float(v.max())  # E4M3 rounding of sqrt(v)
+    assert (r_all[v > 0] > 0).all()  # a non-zero second moment never flushes to zero
+    for start, numel in [(0, n), (0, 1), (127, 2), (130, 300), (999, 1), (256, 128)]:
+        assert torch.equal(moment_slice(st, "exp_avg", start, numel, bs), m_all[start:start + numel])
+        assert torch.equal(moment_slice(st, "exp_avg_sq", start, numel, bs), (r_all * r_all)[start:start + numel])
+    small = state_from_moments(m, v, 5, bs, min_fp8_numel=n + 1)
+    assert torch.equal(small["exp_avg"], m) and torch.equal(moment_slice(small, "exp_avg_sq", 130, 300, bs), v[130:430])
