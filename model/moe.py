@@ -101,6 +101,7 @@ class Router(nn.Module):
 def update_expert_biases(routers: list[Router], rate: float) -> list[dict[str, float]]:
     """For every router: b += rate · (sign(mean − n_e) − mean(sign(mean − n_e))), with n_e the tokens routed to
     expert e since the last call, summed over all ranks (one all-reduce for all routers); the counts restart.
+    Under expert parallelism too: every rank counts its own tokens' choices over all E experts, wherever they run.
 
     Call once per optimizer step; returns each router's load statistics of the step (max/mean, before the
     update), read from the device once for all routers."""

@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 from ling.checkpoint import read_expert_shards, verify
 from ling.engine import expert_parallel_group, model_config_from
 from ling.reshard import SavedZeroState
-from ling.weights import read_model_state
+from ling.weights import find_checkpoint, load_into, read_model_state
+from model.ling import LingForCausalLM
 from tests.test_train_loop import COMMON, free_port, metrics_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +172,9 @@ def test_an_ep_checkpoint_holds_every_expert_and_reads_as_the_whole_model(runs):
     for name, t in read_expert_shards(folder).items():
         assert t.shape[0] == 16 and torch.equal(t, torch.cat([s[name] for s in shards]))
         assert not torch.equal(shards[0][name], shards[1][name])
+    ref = find_checkpoint(runs / "zero2_fp32_ep2")  # what eval.py and the HF export do: the whole model
+    assert ref.folder == folder and ref.model_config(whole).ep_size == 1
+    load_into(LingForCausalLM(ref.model_config(whole)), whole, "test")
     broken = runs / "broken" / "step00000006"
     shutil.copytree(folder, broken)
     (broken / "experts_ep1_of2.pt").unlink()
