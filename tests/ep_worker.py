@@ -1,18 +1,21 @@
-"""Expert-parallel worker for tests/test_expert_parallel.py (CPU, gloo; launched by torchrun, every rank runs it).
+"""Expert-parallel worker for tests/test_expert_parallel.py, launched by torchrun (every rank runs it): on CPU
+with gloo (fp32), on a CUDA machine with NCCL, one GPU per rank (bf16).
 
-Modes (each writes rank 0's findings to --out as a torch file; a failed check raises on the rank that saw it):
+Modes (rank 0 writes every rank's findings to --out as a torch file; a failed check raises on the rank that
+saw it, and torchrun fails):
 
 - `layer`: one MoE layer with its experts split over the ranks (moe.ep_size = world) against the whole layer
   in this process on the whole global batch (every rank computes that reference itself): the routed
   experts' output, the input and gate gradients and every expert gradient must be bit-identical, for
   fp32 and FP8 (torch reference) experts, with and without routing-map padding, and with a rank that
-  receives no rows; the full layer (router included) to fp32 rounding. With TRITON_INTERPRET=1 also the FP8
+  receives no rows; the full layer (router included) to fp32 rounding (on GPUs: the FP8 Triton kernels
+  bit-identical, bf16 within the bounds stated where checked). With TRITON_INTERPRET=1 also the FP8
   Triton kernels (interpreter) with padding: bit-identical too. Then the whole model: built with
   moe.ep_size = world from the same seed, each rank holds exactly its slice of the ep_size=1 model's experts
   (and the same dense weights); an HF export of the whole model loads into the expert-parallel one.
-- `runs`: train runs through `ling.trainer.train` one after the other in this one launch (a JSON list of
-  {"dir", "overrides", optional "resume_copy": a checkpoint folder copied into the run's checkpoints first});
-  the test reads their metrics.jsonl and checkpoints.
+- `runs`: train runs one after the other in this one launch (a JSON list of {"dir", "overrides", optional
+  "resume_copy": a checkpoint folder copied into the run's checkpoints first, "resave_to", "digests"; see
+  `train_runs`); the test reads their metrics.jsonl and checkpoints.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def train_runs(specs: list[dict], rank: int) -> dict:
             else:
                 trainer.fit()
                 out[run_dir.name] = {"ep_rank": trainer.model.ep_rank, "experts": {
-                    n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+                    n: hashlib.sha256(p.detach().float().cpu().numpy().tobytes()).hexdigest()
                     for n, p in trainer.model.expert_parameters()}}
         finally:
             trainer.close()
