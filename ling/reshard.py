@@ -125,9 +125,9 @@ def _new_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], m: torch
     raise TypeError(f"re-partitioning a checkpoint supports AdamW and FP8AdamW, not {type(optimizer).__name__}")
 
 
-def _module_state(folder: Path, saved_ep: int, model) -> dict[str, torch.Tensor]:
-    """This rank's module state from a checkpoint written with `saved_ep` (one whole expert stack at a time)."""
-    saved = torch.load(folder / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)["module"]
+def _module_state(folder: Path, saved: dict[str, torch.Tensor], saved_ep: int, model) -> dict[str, torch.Tensor]:
+    """This rank's module state from a checkpoint written with `saved_ep` (`saved`: its model-states file's
+    module state; the expert stacks from the shards, one whole stack at a time)."""
     shards = [torch.load(folder / EXPERT_SHARD.format(ep_rank=k, ep_size=saved_ep), map_location="cpu", mmap=True,
                          weights_only=True) for k in range(saved_ep)] if saved_ep > 1 else []  # fmt: skip
     state = {}
@@ -161,7 +161,8 @@ def load_resharded(engine, folder: Path, saved_ep: int) -> None:
         raise ValueError(f"checkpoint {folder} was written with moe.ep_size={saved_ep}; loading it with moe.ep_size="
                          f"{model.config.ep_size} re-partitions ZeRO-1/2 optimizer state, not this engine's")
     _, world = rank_world()
-    model.load_state_dict(_module_state(folder, saved_ep, model))
+    client = torch.load(folder / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+    model.load_state_dict(_module_state(folder, client["module"], saved_ep, model))
     names = {id(p): n for n, p in model.named_parameters()}
     whole = {n: p.numel() * (model.config.ep_size if model.expert_shard(n) is not None else 1)
              for n, p in model.named_parameters()}  # fmt: skip
@@ -188,7 +189,6 @@ def load_resharded(engine, folder: Path, saved_ep: int) -> None:
     for group in state_dict["param_groups"]:
         group["lr"] = lr
     base.load_state_dict({"state": new_states, "param_groups": state_dict["param_groups"]})
-    client = torch.load(folder / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
     if engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(_lr_scheduler_state(client["lr_scheduler"], len(base.param_groups)))
     engine.global_steps, engine.skipped_steps = client["global_steps"], client["skipped_steps"]
