@@ -406,6 +406,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.ep:  # under torchrun: one GPU per rank, before anything touches CUDA
+        import os
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     report: dict = {"device": torch.cuda.get_device_name()}
     if args.dispatch or args.ep:
         return dispatch_or_ep(args, token_counts, report)
@@ -465,9 +469,6 @@ def dispatch_or_ep(args, token_counts: list[int], report: dict) -> None:
         for r in report["dispatch"]:
             print(f"| {r['tokens']} | {r['plan_ms']:.3f} | {r['move_ms']:.3f} | {r['syncs']} |")
     if args.ep:
-        import os
-
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl")
         report["ep"] = [r for t in token_counts for r in ep_rows(t, args.experts)]
         if dist.get_rank() == 0:
