@@ -79,7 +79,7 @@ def health_stats(prefix: str, x: torch.Tensor, x_fp8: torch.Tensor, max_rows: in
 
 
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """||a - ref||_F / ||ref||_F in fp32 (0-dim tensor on ref's device; 0 where both are zero)."""
+    """||a - ref||_F / ||ref||_F in fp32 (0-dim tensor on ref's device; 0 if both are zero, inf if only ref is)."""
     with torch.no_grad():
         a32, r32 = a.float(), ref.float()
         return (a32 - r32).norm() / r32.norm().clamp(min=torch.finfo(torch.float32).tiny)
