@@ -215,3 +215,30 @@ def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatc
     assert [r["step"] for r in resumed] == [5, 6]
     for a, b in zip(straight[4:], resumed):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+
+
+def test_fp8_experts_report_health():
+    """The routed experts' hook: act (tokens along H) at forward, grad (d out along H) once backward reaches
+    the experts, weight (mean over gate_up and down); read by the monitor like any FP8 layer."""
+    from fp8.health import health_stats
+    from model.config import ModelConfig
+    from model.moe import MoE
+
+    torch.manual_seed(3)
+    moe = MoE(ModelConfig.preset("tiny", vocab_size=256, precision="fp8"))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    monitor = FP8Monitor([("moe.experts", moe.experts)], MonitorConfig(every=1))
+    monitor.begin_step(1)
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    out, _ = moe(x)
+    assert set(moe.experts.health) == {"act_underflow", "act_distortion", "weight_underflow", "weight_distortion"}
+    captured = []
+    out.register_hook(lambda g: captured.append(g))  # the same gradient reaches the experts' output (a sum)
+    out.backward(torch.randn_like(out) * torch.logspace(-3, 3, 128))
+    want = health_stats("grad", captured[0].reshape(-1, 128), quantize_1x128(captured[0].reshape(-1, 128))[0])
+    assert moe.experts.health["grad_distortion"].item() == pytest.approx(want["grad_distortion"].item())
+    metrics = monitor.end_step(1)
+    assert metrics["fp8/moe.experts/act_underflow"] == pytest.approx(
+        underflow(x.detach().reshape(-1, 128), quantize_1x128(x.detach().reshape(-1, 128))[0]).item())
+    assert "fp8/moe.experts/grad_underflow" in metrics and not moe.experts.collect_health
