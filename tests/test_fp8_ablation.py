@@ -99,3 +99,54 @@ def test_config_reaches_layers_experts_and_optimizer():
         cfg = compose_cfg(["+exp=tiny_cpu", "data=synthetic", "precision=fp8", "optim=fp8_adamw", *bad])
         with pytest.raises(ValueError, match=match):
             build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# scripts/ablate.sh (→ parity.sh) and scripts/ablation_table.py
+# ---------------------------------------------------------------------------------------------------
+def test_ablate_script_runs_each_variant_per_seed_and_compares_it(tmp_path):
+    """A dry run (PYTHON=echo prints every command instead of running it)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "NOISE_SEEDS": "1", "STEPS": "7",
+           "OUT": str(tmp_path), "ABLATIONS": "fwd_x adam_v,fwd_w optim.rounding=nearest"}
+    out = subprocess.run(["bash", str(root / "scripts" / "ablate.sh"), "train.device=cuda"], env=env, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    trains = [line for line in out.splitlines() if line.startswith("train.py")]
+    assert len(trains) == 2 * 5 + 1  # per seed: bf16, fp8, 3 variants; one noise rerun
+    assert ("train.py +exp=parity_fp8 train.seed=2 train.steps=7 run_name=parity-s2_fp8-no-adam_v+fwd_w "
+            f"hydra.run.dir={tmp_path}/s2_fp8-no-adam_v+fwd_w train.deterministic=true fp8.ablate=[adam_v,fwd_w] "
+            "train.device=cuda") in trains
+    assert any("s1_fp8-no-optim.rounding-nearest" in t and t.endswith("optim.rounding=nearest train.device=cuda")
+               for t in trains)
+    assert any("s1_bf16_rerun" in t and "train.deterministic=false" in t for t in trains)
+    compares = [line for line in out.splitlines() if line.startswith("eval.py compare")]
+    assert (f"eval.py compare --pairs {tmp_path}/s1_fp8-no-fwd_x:{tmp_path}/s1_bf16 "
+            f"{tmp_path}/s2_fp8-no-fwd_x:{tmp_path}/s2_bf16 --noise {tmp_path}/s1_bf16_rerun:{tmp_path}/s1_bf16 "
+            f"--out {tmp_path}/report_no-fwd_x") in compares
+    assert len(compares) == 4 and out.rstrip().endswith(f"scripts/ablation_table.py {tmp_path}")
+
+
+def test_ablation_table_from_reports_with_known_offsets(tmp_path):
+    """Synthetic runs whose losses are the baseline's times 1.002 (fp8) and 1.001 (fwd_x kept exact)."""
+    from ling.compare import compare
+    from scripts.ablation_table import table
+    from tests.test_compare import _baseline, _config, write_run
+
+    pairs = {"fp8": [], "no-fwd_x": []}
+    for seed in (1, 2, 3):
+        base = _baseline(seed)
+        bf16 = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
+        for name, factor in (("fp8", 1.002 + 1e-4 * seed), ("no-fwd_x", 1.001 + 1e-4 * seed)):
+            fp8 = write_run(tmp_path, f"s{seed}_{name}", base * factor,
+                            _config(**{"train.seed": seed, "precision.name": "fp8", "fp8.ablate": [name]}))
+            pairs[name].append((fp8, bf16))
+    compare(pairs["fp8"], out_dir=tmp_path / "report")
+    compare(pairs["no-fwd_x"], out_dir=tmp_path / "report_no-fwd_x")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table(tmp_path).splitlines() if line[:2] == "| "}
+    assert rows["fp8"][1:3] == ["3", "+0.220 % ± 0.010"]
+    assert rows["no-fwd_x"][2] == "+0.120 % ± 0.010" and rows["no-fwd_x"][4] == "-0.100 %"
+    # 95 % t-interval of a mean of 3 values with std 0.01 %: ± t(0.975, 2) · 0.01 / sqrt(3) = ± 0.0248 %
+    assert rows["fp8"][3] == "[+0.195, +0.245] %"
