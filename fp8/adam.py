@@ -649,8 +649,9 @@ class FP8AdamW(torch.optim.Optimizer):
             pf = p if p.is_contiguous() else p.contiguous()
             if pf is not p:
                 writebacks.append((p, pf))
-            tup = (pf, g if g.is_contiguous() else g.contiguous(), st["exp_avg"], st.get("exp_avg_scale"),
-                   st["exp_avg_sq_root"], st.get("exp_avg_sq_root_scale"))  # fmt: skip
+            m, r = st["exp_avg"], st["exp_avg_sq_root"]  # uint8 codes + scale, or fp32 (scale None)
+            tup = (pf, g if g.is_contiguous() else g.contiguous(), m, st["exp_avg_scale"] if m.dtype == torch.uint8
+                   else None, r, st["exp_avg_sq_root_scale"] if r.dtype == torch.uint8 else None)  # fmt: skip
             layout = (tup[3] is None, tup[5] is None)  # which moments are fp32: one kernel variant per launch
             launches.setdefault((p.device, g.dtype, int(step), layout), []).append(tup)
         beta1, beta2 = group["betas"]
@@ -768,16 +769,17 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
 
 def _check_fp8_state(p: torch.Tensor, state: dict, block_size: int) -> None:
     """The moments and scales must have exactly the sizes the kernel will index (else it would write out of
-    bounds): n elements per moment, ceil(n / block_size) per scale."""
-    n, nb = p.numel(), cdiv(p.numel(), block_size)
-    want = {"exp_avg": n, "exp_avg_sq_root": n}
-    want.update({s: nb for k, s in _SCALE_KEY.items() if k in state and state[k].dtype == torch.uint8})
-    bad_dtype = any(state[k].dtype not in (torch.uint8, torch.float32) for k in _SCALE_KEY if k in state)
-    if bad_dtype or any(k not in state or state[k].numel() != size for k, size in want.items()):
-        shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
-        expected = {k: (size,) for k, size in want.items()}
-        raise RuntimeError(
-            f"FP8AdamW state of a parameter with {n} elements (block_size {block_size}) has shapes {shapes}, "
-            f"expected {expected}: was the state trimmed or re-partitioned (DeepSpeed elastic checkpoint?) "
-            "or saved with another block_size?"
-        )
+    bounds): n elements per moment (uint8 codes or fp32), ceil(n / block_size) per scale."""
+    n = p.numel()
+    nb = -(-n // block_size)
+    for key, scale_key in _SCALE_KEY.items():
+        q, scale = state.get(key), state.get(scale_key)
+        if q is None or q.numel() != n or (
+            scale.numel() != nb if q.dtype == torch.uint8 and scale is not None else q.dtype != torch.float32
+        ):
+            shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
+            raise RuntimeError(
+                f"FP8AdamW state of a parameter with {n} elements (block_size {block_size}) has shapes {shapes}, "
+                f"expected moments ({n},) with scales ({nb},) (or fp32 moments ({n},) without): was the state "
+                "trimmed or re-partitioned (DeepSpeed elastic checkpoint?) or saved with another block_size?"
+            )
