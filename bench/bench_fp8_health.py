@@ -39,24 +39,31 @@ def build(name: str, device: str) -> LingForCausalLM:
     return model.to(torch.bfloat16) if device == "cuda" else model
 
 
-def time_mode(model, monitor: FP8Monitor | None, ids, labels, steps: int, warmup: int, device: str) -> float:
-    times = []
+def step_ms(model, monitor: FP8Monitor | None, ids, labels, device: str) -> float:
+    for p in model.parameters():
+        p.grad = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if monitor is not None:
+        monitor.begin_step(1)
+    model(ids, labels=labels).loss.backward()
+    if monitor is not None:
+        monitor.end_step(1)  # reads every statistic (the one host sync)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_modes(model, modes: dict, ids, labels, steps: int, warmup: int, device: str) -> dict[str, float]:
+    """Median ms per mode; the modes take turns step by step, so that a change in machine load hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in modes}
     for i in range(warmup + steps):
-        for p in model.parameters():
-            p.grad = None
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if monitor is not None:
-            monitor.begin_step(1)
-        model(ids, labels=labels).loss.backward()
-        if monitor is not None:
-            monitor.end_step(1)  # reads every statistic (the one host sync)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for name, monitor in modes.items():
+            ms = step_ms(model, monitor, ids, labels, device)
+            if i >= warmup:
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -76,11 +83,10 @@ def main() -> None:
     ids, labels = ids[:, :-1], ids[:, 1:]
     modes = {"off": None, "health": FP8Monitor(modules, MonitorConfig(every=1)),
              "health+dw": FP8Monitor(modules, MonitorConfig(every=1, recompute_dw=True))}
-    results = {name: time_mode(model, mon, ids, labels, args.steps, args.warmup, args.device)
-               for name, mon in modes.items()}
+    results = time_modes(model, modes, ids, labels, args.steps, args.warmup, args.device)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"\n{args.model} (FP8, {len(modules)} FP8 modules), {args.micro} x {args.seq_len} tokens, {dev}, "
-          f"torch {torch.__version__}; median of {args.steps} forward+backward steps")
+          f"torch {torch.__version__}; median of {args.steps} forward+backward steps per mode, interleaved")
     print(f"| mode | step ms | extra ms per sampled step | extra per step at health_every={args.every} |")
     print("|---|---|---|---|")
     base = results["off"]

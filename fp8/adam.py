@@ -38,8 +38,9 @@ are rounded. On CUDA one fused Triton kernel does, per launch, all tensors of a 
 gradient dtype and the step count (a table of per-tensor element offsets, one program per chunk of `NB`
 blocks): read fp32 param, grad, FP8 moments and scales, update, write param, FP8 moments and new scales
 (16 + 8/B·2 bytes of traffic per parameter with fp32 grads). The tables are rebuilt whenever any pointer or
-size they were built from differs (the cache is keyed by all of them, the grad table by the grad pointers). On CPU the same maths runs in plain
-torch (`fp8_adamw_update_reference`), which the tests also use as the reference for the kernel.
+size they were built from differs (the cache is keyed by all of them, the grad table by the grad pointers).
+On CPU the same maths runs in plain torch (`fp8_adamw_update_reference`), which the tests also use as the
+reference for the kernel.
 
 DeepSpeed ZeRO: works on its flat 1-D fp32 partitions (padding included) and with the param-group swapping
 of `_optimizer_step` (state is keyed by tensor, never by group index). ZeRO's *elastic* checkpoint format
@@ -281,12 +282,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _noise(idx, key):
-        """Kernel twin of `rounding_noise`: int64 indices → int32 noise in [0, 2^20)."""
-        h = (idx ^ key) & 0xFFFFFFFF
+        """Kernel twin of `rounding_noise`: int64 indices → int32 noise in [0, 2^20), in uint32 arithmetic
+        (multiplications wrap modulo 2^32, shifts are logical: the low 32 bits of the reference's int64 maths)."""
+        h = (idx ^ key).to(tl.uint32)
         h = h ^ (h >> 16)
-        h = (h * 0x7FEB352D) & 0xFFFFFFFF
+        h = h * 0x7FEB352D
         h = h ^ (h >> 15)
-        h = (h * 0x5BD1E995) & 0xFFFFFFFF
+        h = h * 0x5BD1E995
         h = h ^ (h >> 16)
         return (h & 0xFFFFF).to(tl.int32)
 

@@ -24,8 +24,8 @@ def row(name: str, summary: dict, full_mean: float | None) -> str:
     up = sum(1 for p in summary["pairs"] if p["slope"]["ci_low"] > 0)
     floor = summary.get("noise_floor")
     floor_s = f"{100 * floor:.3f} %" if floor is not None else "—"
-    return (f"| {name} | {n} | {100 * mean:+.3f} % ± {100 * std:.3f} | {ci} | {delta} | {up} of {len(summary['pairs'])} "
-            f"| {floor_s} |")
+    pairs = len(summary["pairs"])
+    return f"| {name} | {n} | {100 * mean:+.3f} % ± {100 * std:.3f} | {ci} | {delta} | {up} of {pairs} | {floor_s} |"
 
 
 def table(out: Path) -> str:

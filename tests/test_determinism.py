@@ -76,7 +76,8 @@ def test_deterministic_mode_sets_and_restores_the_switches(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
     with deterministic_mode(True):
-        assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # strict
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
