@@ -33,8 +33,8 @@ input dtype: BF16 under DeepSpeed bf16), the monitor's per-layer fallback.
 
 Ablation (`set_ablation(components)`, config `fp8.ablate`): each named component of `ABLATION_COMPONENTS` runs
 in high precision while the others keep their FP8 rounding; the GEMMs then run as fp32 matmuls of the
-dequantized (or exact) operands (`_AblatedFP8Fn`, slower, for experiments only). With no component ablated on
-CPU it computes exactly what the FP8 path computes.
+dequantized (or exact) operands (`_AblatedFP8Fn`, slower, for experiments only; an ablated layer collects no
+health). With no component ablated on CPU it computes exactly what the FP8 path computes.
 
 Devices: CUDA tensors run the Triton kernels; CPU tensors run the same maths in PyTorch (fp8/quant.py and
 fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 out).

@@ -185,6 +185,8 @@ class FP8Monitor:
             return False
         module.use_fp8 = False
         module.collect_health = False
+        if hasattr(module, "invalidate_weight_cache"):
+            module.invalidate_weight_cache()  # its FP8 weight is not needed any more
         self.bf16_layers.add(name)
         return True
 
