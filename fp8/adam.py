@@ -10,37 +10,50 @@ State per parameter with numel >= `min_fp8_numel` (n elements, B = block_size, n
 | `exp_avg_sq_root`       | uint8   | [n]    | raw E4M3 bits of sqrt(v) / exp_avg_sq_root_scale[block]   |
 | `exp_avg_sq_root_scale` | float32 | [nb]   | amax(sqrt(v) in block) / 448                              |
 
-That is 2 + 8 / B bytes per parameter (2.0625 at B = 128) against 8 for fp32 moments.
+That is 2 + 8 / B bytes per parameter (2.0625 at B = 128) against 8 for fp32 moments. With
+`fp32_moments=("exp_avg",)` / `("exp_avg_sq",)` (the ablation `fp8.ablate=[adam_m]` / `[adam_v]`) that moment is
+kept as fp32 [n] instead (`exp_avg` holds m, `exp_avg_sq_root` holds sqrt(v); no scale key).
 
 Why the second moment is kept as sqrt(v) ("range-safe form"): v = EMA(g²) spans twice the binade range of
 |g|, and E4M3 with one scale per block only covers amax · 2⁻¹⁸ ... amax (448 down to the smallest subnormal
 2⁻⁹). Stored directly, the small entries of v in a block flush to zero, and an element with v = 0 but m ≠ 0
 takes a step of m / eps, i.e. an enormous one. sqrt(v) halves the log-range, so the same 18 binades of E4M3
 cover 36 binades of v. On top of that, a non-zero sqrt(v) never rounds to 0: it is floored at the smallest
-positive subnormal (which over-estimates v for those entries and so only shrinks their step). The underflow
-rates measured by `bench/bench_fp8_adam.py` / `tests/test_fp8_adam.py::test_second_moment_underflow` are in
-the README. sqrt(v) is also what the update needs (denominator sqrt(v̂) + eps), so it costs no extra work.
+positive subnormal (which over-estimates v for those entries and so only shrinks their step).
+
+Why the stored moments are rounded stochastically (`rounding="stochastic"`, the default): an EMA moves by a
+small fraction of itself per step (sqrt(v) by at most 1 − sqrt(β2) = 2.5 % at β2 = 0.95 when g = 0), less than
+half an E4M3 step (3.3–6.25 % relative). Rounded to nearest, a value that should shrink returns to its code
+every step and never decreases while its block's scale holds (the block's largest element sets the scale): its
+v stays at its old level and its updates shrink. tests/test_fp8_adam.py::test_moments_track_decaying_gradients
+measures this against fp32 AdamW (README: after 400 steps of gradients decaying 1 % per step, rounded to
+nearest the stored sqrt(v) is 43x fp32's and the parameters travel 0.44x as far; stochastic rounding: 0.99x and
+1.00x). Stochastic rounding picks the upper neighbour with probability (y − lo) / (hi − lo), so the stored value
+is unbiased and the EMA decays as it should. The noise is a counter-based hash of (step, element
+index; both moments share it, see `noise_key`): no RNG state, identical on the Triton and torch paths,
+reproducible on resume.
 
 The update itself runs in fp32 from the dequantized moments and the fp32 gradient; only the stored moments
 are rounded. On CUDA one fused Triton kernel does, per launch, all tensors of a param group that share the
-gradient dtype and the step count (a table of per-tensor offsets, one program per chunk of `NB` blocks):
-read fp32 param, grad, FP8 moments and scales, update, write param, FP8 moments and new scales
-(16 + 8/B·2 bytes of traffic per parameter with fp32 grads). On CPU the same maths runs in plain torch
-(`fp8_adamw_update_reference`), which the tests also use as the reference for the kernel.
+gradient dtype and the step count (a table of per-tensor element offsets, one program per chunk of `NB`
+blocks): read fp32 param, grad, FP8 moments and scales, update, write param, FP8 moments and new scales
+(16 + 8/B·2 bytes of traffic per parameter with fp32 grads). The tables are rebuilt whenever any pointer or
+size they were built from differs (the cache is keyed by all of them, the grad table by the grad pointers).
+On CPU the same maths runs in plain torch (`fp8_adamw_update_reference`), which the tests also use as the
+reference for the kernel.
 
 DeepSpeed ZeRO: works on its flat 1-D fp32 partitions (padding included) and with the param-group swapping
 of `_optimizer_step` (state is keyed by tensor, never by group index). ZeRO's *elastic* checkpoint format
 trims every state tensor by the partition padding and re-partitions tensors that have the partition's shape;
-per-block scales cannot survive that (they are not per element), so FP8AdamW refuses to run under a ZeRO
-optimizer with `elastic_checkpoint=True` (checked on the first step) and `check_deepspeed_config` rejects
-such a config up front. DeepSpeed's default (`elastic_checkpoint: false`) saves `optimizer.state_dict()`
-per rank, which round-trips exactly.
+per-block scales cannot survive that, so `ling.engine.check_deepspeed_config` refuses such a config before the
+engine is built; a state of the wrong size (trimmed, re-partitioned, another block size) is refused at the
+step with a message saying so. DeepSpeed's default (`elastic_checkpoint: false`) saves
+`optimizer.state_dict()` per rank, which round-trips exactly.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +69,15 @@ if HAS_TRITON:  # Triton is optional on CPU-only installs; the torch reference p
     import triton.language as tl
 
 E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive E4M3 value; floor for a non-zero sqrt(v)
+E4M3_MIN_NORMAL = 2.0**-6
 AMAX_FLOOR = 1e-30  # amax is clamped to this so that an all-zero block gets a finite, positive scale
+NOISE_BITS = 20  # fp32 mantissa bits below E4M3's 3: the stochastic-rounding noise width
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FP8_BYTES_KEYS = ("exp_avg", "exp_avg_sq_root")  # uint8 E4M3 bits in FP8 state
 FP8_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
+ROUNDINGS = ("stochastic", "nearest")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # names for `fp32_moments`
+_SCALE_KEY = {"exp_avg": "exp_avg_scale", "exp_avg_sq_root": "exp_avg_sq_root_scale"}
 
 
 def _f32(x: float) -> float:
@@ -68,13 +85,30 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def _hash32(x: int) -> int:
+    """The 32-bit integer hash of the noise (host twin of `rounding_noise`)."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def noise_key(step: int) -> int:
+    """Per-step key (< 2^31) of the counter-based rounding noise. Both moments of an element share its noise:
+    where m and sqrt(v) sit at the same point between two codes (e.g. after the first step, both ∝ |g|) they
+    round the same way, so the ratio m / sqrt(v) that the update uses keeps its value; each stays unbiased."""
+    return _hash32(_hash32(step) + 0x632BE5AB) & 0x7FFFFFFF
+
+
 @dataclass(frozen=True)
 class AdamScalars:
-    """Per-launch fp32 scalars of one AdamW step (all already rounded to float32).
+    """Per-launch fp32 scalars of one AdamW step (all already rounded to float32) and the rounding keys.
 
     p ← p·decay − step_size · m / (sqrt(v)·inv_sqrt_bc2 + eps), with m ← beta1·m + omb1·g and
     v ← beta2·v + omb2·g², where decay = 1 − lr·wd, step_size = lr / (1 − beta1^t),
-    inv_sqrt_bc2 = 1 / sqrt(1 − beta2^t).
+    inv_sqrt_bc2 = 1 / sqrt(1 − beta2^t). key: the step's stochastic-rounding key (None: round to nearest).
     """
 
     beta1: float
@@ -85,13 +119,18 @@ class AdamScalars:
     decay: float
     step_size: float
     inv_sqrt_bc2: float
+    key: int | None = None
 
     @classmethod
     def from_hparams(
-        cls, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
-    ) -> AdamScalars:
+        cls, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+        rounding: str = "stochastic",
+    ) -> AdamScalars:  # fmt: skip
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"FP8AdamW rounding must be one of {ROUNDINGS}, got {rounding!r}")
         bc1 = 1.0 - beta1**step
         bc2 = 1.0 - beta2**step
+        stochastic = rounding == "stochastic"
         return cls(
             beta1=_f32(beta1),
             omb1=_f32(1.0 - beta1),
@@ -101,6 +140,7 @@ class AdamScalars:
             decay=_f32(1.0 - lr * weight_decay),
             step_size=_f32(lr / bc1),
             inv_sqrt_bc2=_f32(1.0 / math.sqrt(bc2)),
+            key=noise_key(step) if stochastic else None,
         )
 
 
@@ -119,24 +159,51 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.view(nb, block_size)
 
 
+def rounding_noise(idx: torch.Tensor, key: int) -> torch.Tensor:
+    """int64 element indices → int32 noise in [0, 2^20): hash32(idx ^ key)'s low bits (kernel twin: `_noise`).
+    Products stay below 2^63 (32-bit values times 31-bit constants), so int64 arithmetic is exact."""
+    h = (idx ^ key) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & 0xFFFFFFFF
+    h = h ^ (h >> 15)
+    h = (h * 0x5BD1E995) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return (h & ((1 << NOISE_BITS) - 1)).to(torch.int32)
+
+
+def stochastic_round_e4m3(y: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 y (|y| ≤ 448) → fp32 values on the E4M3 grid: the upper neighbour with probability (|y| − lo) / (hi −
+    lo) for uniform 20-bit `noise`. Normals: add the noise below E4M3's 3 mantissa bits and truncate (a carry
+    moves into the exponent exactly); subnormals (|y| < 2⁻⁶, fixed step 2⁻⁹): floor(|y|·2⁹ + u)·2⁻⁹."""
+    a = y.abs()
+    up = ((a.view(torch.int32) + noise) & -(1 << NOISE_BITS)).view(torch.float32)
+    sub = torch.floor(a * 512.0 + noise.float() * 2.0**-NOISE_BITS) * E4M3_MIN_SUBNORMAL
+    a = torch.clamp(torch.where(a < E4M3_MIN_NORMAL, sub, up), max=E4M3_MAX)
+    return torch.where(y < 0, -a, a)
+
+
 def quantize_blockwise_reference(
-    x: torch.Tensor, block_size: int, floor_nonzero: bool = False
+    x: torch.Tensor, block_size: int, floor_nonzero: bool = False, key: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise E4M3 quantization of a flat fp32 tensor.
 
     x: fp32 [n] → (q uint8 [n] holding E4M3 bits, scale fp32 [ceil(n / block_size)]), with
-    scale = max(amax, AMAX_FLOOR) / 448 and x ≈ e4m3(q) · scale[block]. With `floor_nonzero`, entries
-    with x > 0 that would round to 0 are stored as the smallest positive subnormal instead (for x ≥ 0).
+    scale = max(amax, AMAX_FLOOR) / 448 and x ≈ e4m3(q) · scale[block]. Rounded to nearest, or stochastically
+    with the noise of `key` (`rounding_noise` of the element index). With `floor_nonzero`, entries with x > 0
+    that would round to 0 are stored as the smallest positive subnormal instead (for x ≥ 0).
     """
     n = x.numel()
     xb = _blocks(x.float().reshape(-1), block_size)
     amax = xb.abs().amax(dim=1)
     amax = torch.clamp(amax, min=AMAX_FLOOR)
     scale = amax / E4M3_MAX
-    y = xb * (E4M3_MAX / amax)[:, None]  # one division per block, as in the kernel
+    y = (xb * (E4M3_MAX / amax)[:, None]).clamp(-E4M3_MAX, E4M3_MAX)  # one division per block, as the kernel
+    if key is not None:
+        idx = torch.arange(y.numel(), dtype=torch.int64, device=y.device).view_as(y)
+        y = stochastic_round_e4m3(y, rounding_noise(idx, key))
     if floor_nonzero:
         y = torch.where(xb > 0, torch.clamp(y, min=E4M3_MIN_SUBNORMAL), y)
-    q = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n]
+    q = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n]
     return q.contiguous(), scale
 
 
@@ -173,25 +240,37 @@ def state_from_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: fl
     return {**state, "exp_avg": mq, "exp_avg_scale": ms, "exp_avg_sq_root": rq, "exp_avg_sq_root_scale": rs}
 
 
+def _load_moment(q: torch.Tensor, scale: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    return q.float().reshape(-1) if scale is None else dequantize_blockwise_reference(q, scale, block_size)
+
+
+def _store_moment(x, q, scale, block_size: int, floor_nonzero: bool, key: int | None) -> None:
+    if scale is None:  # an fp32 moment (ablation)
+        q.copy_(x)
+        return
+    xq, xs = quantize_blockwise_reference(x, block_size, floor_nonzero, key)
+    q.copy_(xq)
+    scale.copy_(xs)
+
+
 def fp8_adamw_update_reference(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
-    exp_avg_scale: torch.Tensor,
+    exp_avg_scale: torch.Tensor | None,
     exp_avg_sq_root: torch.Tensor,
-    exp_avg_sq_root_scale: torch.Tensor,
+    exp_avg_sq_root_scale: torch.Tensor | None,
     s: AdamScalars,
     block_size: int,
 ) -> None:
     """One FP8AdamW step on one tensor, in place, in plain torch (the maths of the Triton kernel).
 
-    param fp32 [n] (flat, contiguous); grad fp32/bf16/fp16 [n]; exp_avg / exp_avg_sq_root uint8 [n]
-    (E4M3 bits); the two scales fp32 [ceil(n / block_size)].
+    param fp32 [n] (flat, contiguous); grad fp32/bf16/fp16 [n]; exp_avg / exp_avg_sq_root uint8 [n] (E4M3
+    bits) with fp32 scales [ceil(n / block_size)], or fp32 [n] with scale None (an fp32 moment).
     """
-    n = param.numel()
     g = grad.reshape(-1).float()
-    m = dequantize_blockwise_reference(exp_avg, exp_avg_scale, block_size)
-    r = dequantize_blockwise_reference(exp_avg_sq_root, exp_avg_sq_root_scale, block_size)
+    m = _load_moment(exp_avg, exp_avg_scale, block_size)
+    r = _load_moment(exp_avg_sq_root, exp_avg_sq_root_scale, block_size)
     # Same operations as the kernel (fp32 throughout). The interpreted kernel rounds like this; the compiled
     # one uses the GPU's approximate fp32 division and square root (≤ 2 ulp) and may fuse a·b+c into FMAs.
     m = s.beta1 * m + s.omb1 * g
@@ -200,12 +279,8 @@ def fp8_adamw_update_reference(
     denom = r * s.inv_sqrt_bc2 + s.eps
     p = param.view(-1)
     p.copy_(p * s.decay - s.step_size * (m / denom))
-    mq, ms = quantize_blockwise_reference(m, block_size)
-    rq, rs = quantize_blockwise_reference(r, block_size, floor_nonzero=True)
-    exp_avg.copy_(mq[:n])
-    exp_avg_scale.copy_(ms)
-    exp_avg_sq_root.copy_(rq[:n])
-    exp_avg_sq_root_scale.copy_(rs)
+    _store_moment(m, exp_avg, exp_avg_scale, block_size, False, s.key)
+    _store_moment(r, exp_avg_sq_root, exp_avg_sq_root_scale, block_size, True, s.key)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,66 +307,95 @@ class KernelConfig:
 if HAS_TRITON:
 
     @triton.jit
+    def _noise(idx, key):
+        """Kernel twin of `rounding_noise`: int64 indices → int32 noise in [0, 2^20), in uint32 arithmetic
+        (multiplications wrap modulo 2^32, shifts are logical: the low 32 bits of the reference's int64 maths)."""
+        h = (idx ^ key).to(tl.uint32)
+        h = h ^ (h >> 16)
+        h = h * 0x7FEB352D
+        h = h ^ (h >> 15)
+        h = h * 0x5BD1E995
+        h = h ^ (h >> 16)
+        return (h & 0xFFFFF).to(tl.int32)
+
+    @triton.jit
+    def _round_stored(y, idx, key, STOCH: tl.constexpr):
+        """fp32 y (|y| ≤ 448) → fp32 to be cast to E4M3: unchanged (the cast rounds to nearest) or rounded
+        stochastically onto the E4M3 grid (twin of `stochastic_round_e4m3`)."""
+        if STOCH:
+            noise = _noise(idx, key)
+            a = tl.abs(y)
+            up = ((a.to(tl.int32, bitcast=True) + noise) & -1048576).to(tl.float32, bitcast=True)
+            sub = tl.floor(a * 512.0 + noise.to(tl.float32) * 9.5367431640625e-07) * 0.001953125
+            a = tl.minimum(tl.where(a < 0.015625, sub, up), 448.0)
+            y = tl.where(y < 0, -a, a)
+        return y
+
+    @triton.jit
+    def _load(ptr, mask, MASKED: tl.constexpr):
+        if MASKED:
+            return tl.load(ptr, mask=mask, other=0.0)
+        return tl.load(ptr)
+
+    @triton.jit
+    def _store(ptr, value, mask, MASKED: tl.constexpr):
+        if MASKED:
+            tl.store(ptr, value, mask=mask)
+        else:
+            tl.store(ptr, value)
+
+    @triton.jit
     def _adam_chunk(
         p_ptr, g_ptr, m_ptr, ms_ptr, r_ptr, rs_ptr, numel, start, blk0,
-        beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-        BS: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr,
+        beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2, key,
+        BS: tl.constexpr, NB: tl.constexpr, MASKED: tl.constexpr, STOCH: tl.constexpr,
+        M_FP32: tl.constexpr, R_FP32: tl.constexpr,
         AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, QMIN_SUB: tl.constexpr,
     ):  # fmt: skip
         rows = tl.arange(0, NB)
         cols = tl.arange(0, BS)
         idx = start + rows[:, None] * BS + cols[None, :]  # [NB, BS] int64 element index in the tensor
         bidx = blk0 + rows  # [NB] block index
-        if MASKED:
-            mask = idx < numel
-            bmask = bidx * BS < numel
-            p = tl.load(p_ptr + idx, mask=mask, other=0.0)
-            g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            mq = tl.load(m_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            rq = tl.load(r_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            ms = tl.load(ms_ptr + bidx, mask=bmask, other=0.0)
-            rs = tl.load(rs_ptr + bidx, mask=bmask, other=0.0)
-        else:
-            p = tl.load(p_ptr + idx)
-            g = tl.load(g_ptr + idx).to(tl.float32)
-            mq = tl.load(m_ptr + idx).to(tl.float32)
-            rq = tl.load(r_ptr + idx).to(tl.float32)
-            ms = tl.load(ms_ptr + bidx)
-            rs = tl.load(rs_ptr + bidx)
-        m = mq * ms[:, None]
-        r = rq * rs[:, None]
+        mask = idx < numel
+        bmask = bidx * BS < numel
+        p = _load(p_ptr + idx, mask, MASKED)
+        g = _load(g_ptr + idx, mask, MASKED).to(tl.float32)
+        m = _load(m_ptr + idx, mask, MASKED).to(tl.float32)
+        r = _load(r_ptr + idx, mask, MASKED).to(tl.float32)
+        if not M_FP32:
+            m = m * _load(ms_ptr + bidx, bmask, MASKED)[:, None]
+        if not R_FP32:
+            r = r * _load(rs_ptr + bidx, bmask, MASKED)[:, None]
         m = beta1 * m + omb1 * g
         v = beta2 * (r * r) + omb2 * (g * g)
         r = tl.sqrt(v)
         denom = r * inv_sqrt_bc2 + eps
         p = p * decay - step_size * (m / denom)
+        _store(p_ptr + idx, p, mask, MASKED)
         # Requantize: one scale per row (block) of BS elements; masked-off entries are 0 and do not move amax.
-        m_amax = tl.maximum(tl.max(tl.abs(m), axis=1), AMAX_MIN)
-        r_amax = tl.maximum(tl.max(r, axis=1), AMAX_MIN)
-        m_scale = m_amax / QMAX
-        r_scale = r_amax / QMAX
-        m_out = tl.clamp(m * (QMAX / m_amax)[:, None], -QMAX, QMAX).to(tl.float8e4nv)
-        y = tl.minimum(r * (QMAX / r_amax)[:, None], QMAX)
-        r_out = tl.where(r > 0.0, tl.maximum(y, QMIN_SUB), y).to(tl.float8e4nv)  # never flush sqrt(v) to 0
-        if MASKED:
-            tl.store(p_ptr + idx, p, mask=mask)
-            tl.store(m_ptr + idx, m_out, mask=mask)
-            tl.store(r_ptr + idx, r_out, mask=mask)
-            tl.store(ms_ptr + bidx, m_scale, mask=bmask)
-            tl.store(rs_ptr + bidx, r_scale, mask=bmask)
+        if M_FP32:
+            _store(m_ptr + idx, m, mask, MASKED)
         else:
-            tl.store(p_ptr + idx, p)
-            tl.store(m_ptr + idx, m_out)
-            tl.store(r_ptr + idx, r_out)
-            tl.store(ms_ptr + bidx, m_scale)
-            tl.store(rs_ptr + bidx, r_scale)
+            m_amax = tl.maximum(tl.max(tl.abs(m), axis=1), AMAX_MIN)
+            y = tl.clamp(m * (QMAX / m_amax)[:, None], -QMAX, QMAX)
+            _store(m_ptr + idx, _round_stored(y, idx, key, STOCH).to(tl.float8e4nv), mask, MASKED)
+            _store(ms_ptr + bidx, m_amax / QMAX, bmask, MASKED)
+        if R_FP32:
+            _store(r_ptr + idx, r, mask, MASKED)
+        else:
+            r_amax = tl.maximum(tl.max(r, axis=1), AMAX_MIN)
+            y = _round_stored(tl.minimum(r * (QMAX / r_amax)[:, None], QMAX), idx, key, STOCH)
+            y = tl.where(r > 0.0, tl.maximum(y, QMIN_SUB), y)  # never flush a non-zero sqrt(v) to 0
+            _store(r_ptr + idx, y.to(tl.float8e4nv), mask, MASKED)
+            _store(rs_ptr + bidx, r_amax / QMAX, bmask, MASKED)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["key"])
     def _fp8_adamw_kernel(
         p_base, g_base, m_base, ms_base, r_base, rs_base,
         table_ptr, gtable_ptr, chunk_tensor_ptr, chunk_index_ptr,
-        beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-        BS: tl.constexpr, NB: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr,
+        beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2, key,
+        BS: tl.constexpr, NB: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, STOCH: tl.constexpr,
+        M_FP32: tl.constexpr, R_FP32: tl.constexpr,
         AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, QMIN_SUB: tl.constexpr,
     ):  # fmt: skip
         # Each tensor is addressed as base pointer + element offset (offsets computed on the host from
@@ -319,15 +423,15 @@ if HAS_TRITON:
                 _adam_chunk(
                     p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
                     rs_base + rs_off, numel, start, blk0,
-                    beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-                    BS, NB, False, AMAX_MIN, QMAX, QMIN_SUB,
+                    beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2, key,
+                    BS, NB, False, STOCH, M_FP32, R_FP32, AMAX_MIN, QMAX, QMIN_SUB,
                 )  # fmt: skip
             elif start < numel:
                 _adam_chunk(
                     p_base + p_off, g_base + g_off, m_base + m_off, ms_base + ms_off, r_base + r_off,
                     rs_base + rs_off, numel, start, blk0,
-                    beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2,
-                    BS, NB, True, AMAX_MIN, QMAX, QMIN_SUB,
+                    beta1, omb1, beta2, omb2, eps, decay, step_size, inv_sqrt_bc2, key,
+                    BS, NB, True, STOCH, M_FP32, R_FP32, AMAX_MIN, QMAX, QMIN_SUB,
                 )  # fmt: skip
 
 
@@ -339,23 +443,16 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
     return diff // size
 
 
-def _to_device(rows: list, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 @dataclass
 class LaunchPlan:
-    """Device-side tables of one multi-tensor launch, reused while no pointer moves.
+    """Device-side tables of one multi-tensor launch.
 
     table int64 [T, 8]: element offsets of param, exp_avg, its scale, exp_avg_sq_root, its scale (relative
-    to the first tensor of each kind) and numel; gtable int64 [T]: grad offsets; chunk_tensor /
-    chunk_index int32 [n_chunks]: which tensor and which chunk of it each program updates.
+    to the first tensor of each kind) and numel; chunk_tensor / chunk_index int32 [n_chunks]: which tensor and
+    which chunk of it each program updates; gtable int64 [T]: grad offsets, rebuilt when the grads move
+    (`gkey`: the grad pointers it was built from).
     """
 
-    key: tuple[int, ...]
     table: torch.Tensor
     chunk_tensor: torch.Tensor
     chunk_index: torch.Tensor
@@ -365,19 +462,19 @@ class LaunchPlan:
     galigned: bool = True
 
 
-def _static_key(tensors: Sequence[tuple[torch.Tensor, ...]]) -> tuple[int, ...]:
-    # Our state tensors move only through load_state_dict (which drops plans); a param moves with data_ptr.
-    return tuple(x for tup in tensors for x in (tup[0].data_ptr(), tup[0].numel(), tup[2].data_ptr()))
+def _static_key(tensors: Sequence[tuple], block_size: int, cfg: KernelConfig) -> tuple:
+    """Everything a plan's static tables are built from: every pointer and size but the grads'."""
+    ptrs = tuple(t.data_ptr() if t is not None else 0 for tup in tensors for t in (tup[0], *tup[2:]))
+    return (ptrs, tuple(tup[0].numel() for tup in tensors), block_size, cfg)
 
 
-def build_launch_plan(tensors: Sequence[tuple[torch.Tensor, ...]], block_size: int, cfg: KernelConfig) -> LaunchPlan:
-    """Offset tables for tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root, its scale)."""
+def build_launch_plan(tensors: Sequence[tuple], block_size: int, cfg: KernelConfig) -> LaunchPlan:
+    """Offset tables for tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root, its scale); a scale is
+    None for an fp32 moment (offset 0, never read). The grad table is added by `_grad_table`."""
     base = tensors[0]
     rows = []
-    aligned = True
     for tup in tensors:
-        offs = [_offset(tup[i], base[i]) for i in (0, 2, 3, 4, 5)]
-        aligned &= offs[0] % 16 == 0 and offs[1] % 16 == 0 and offs[3] % 16 == 0
+        offs = [_offset(tup[i], base[i]) if tup[i] is not None else 0 for i in (0, 2, 3, 4, 5)]
         rows.append(offs + [tup[0].numel()] + [0] * (TABLE_COLS - 6))
     device = base[0].device
     chunk = cfg.iters_per_program * cfg.blocks_per_program * block_size
@@ -386,67 +483,65 @@ def build_launch_plan(tensors: Sequence[tuple[torch.Tensor, ...]], block_size: i
     chunk_tensor = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), counts)
     chunk_index = torch.arange(int(counts.sum()), dtype=torch.int64) - torch.repeat_interleave(starts, counts)
     return LaunchPlan(
-        key=_static_key(tensors),
-        table=_to_device(rows, device),
+        table=torch.tensor(rows, dtype=torch.int64).to(device),
         chunk_tensor=chunk_tensor.to(torch.int32).to(device),
         chunk_index=chunk_index.to(torch.int32).to(device),
-        aligned=aligned,
+        aligned=all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[3] % 16 == 0 for r in rows),
     )
 
 
+def _grad_table(plan: LaunchPlan, tensors: Sequence[tuple]) -> None:
+    gkey = tuple(tup[1].data_ptr() for tup in tensors)
+    if plan.gtable is None or plan.gkey != gkey:
+        goffs = [_offset(tup[1], tensors[0][1]) for tup in tensors]
+        plan.gkey, plan.gtable = gkey, torch.tensor(goffs, dtype=torch.int64).to(tensors[0][1].device)
+        plan.galigned = all(o % 16 == 0 for o in goffs)
+
+
 def fp8_adamw_update_triton(
-    tensors: Sequence[tuple[torch.Tensor, ...]],
+    tensors: Sequence[tuple],
     s: AdamScalars,
     block_size: int,
     cfg: KernelConfig = KernelConfig(),
-    plan: LaunchPlan | None = None,
-    trust_static: bool = False,
-) -> LaunchPlan:
+    cache: dict | None = None,
+) -> None:
     """One fused launch over all `tensors` = [(param, grad, exp_avg, exp_avg_scale, exp_avg_sq_root,
     exp_avg_sq_root_scale), ...]: params fp32 contiguous (any shape), grads contiguous and all of one
-    dtype, moments uint8 [numel], scales fp32 [ceil(numel / block_size)], all on one device.
+    dtype, moments uint8 [numel] with fp32 scales [ceil(numel / block_size)] (or, in every tuple alike, an fp32
+    [numel] moment with scale None), all on one device.
 
-    Returns the launch plan; pass it back as `plan` to skip rebuilding the tables when no pointer moved
-    (`trust_static`: the caller has checked that params and state did not move; only grads are checked).
-    """
+    `cache` (a dict the caller keeps) maps the static key (every pointer and size but the grads') to its plan,
+    whose grad table follows the grad pointers: tables are uploaded again only when something moved."""
     if not HAS_TRITON:
         raise RuntimeError("FP8AdamW's fused kernel needs triton; use backend='torch' on this machine")
-    if plan is None or not (trust_static or plan.key == _static_key(tensors)):
+    key = _static_key(tensors, block_size, cfg)
+    plan = cache.get(key) if cache is not None else None
+    if plan is None:
         plan = build_launch_plan(tensors, block_size, cfg)
-    gkey = tuple(tup[1].data_ptr() for tup in tensors)
-    if plan.gtable is None or plan.gkey != gkey:
-        g0 = tensors[0][1]
-        goffs = [_offset(tup[1], g0) for tup in tensors]
-        plan.gkey, plan.gtable = gkey, _to_device(goffs, g0.device)
-        plan.galigned = all(o % 16 == 0 for o in goffs)
+        if cache is not None:
+            if len(cache) >= 64:  # tensors keep moving (unusual): don't hoard tables
+                cache.clear()
+            cache[key] = plan
+    _grad_table(plan, tensors)
     p, g, m, ms, r, rs = tensors[0]
+    m_fp32, r_fp32 = ms is None, rs is None
     grid = (plan.chunk_tensor.numel(),)
     _fp8_adamw_kernel[grid](
-        p, g, m.view(torch.float8_e4m3fn), ms, r.view(torch.float8_e4m3fn), rs,
+        p, g, m if m_fp32 else m.view(torch.float8_e4m3fn), m if m_fp32 else ms,
+        r if r_fp32 else r.view(torch.float8_e4m3fn), r if r_fp32 else rs,
         plan.table, plan.gtable, plan.chunk_tensor, plan.chunk_index,
         s.beta1, s.omb1, s.beta2, s.omb2, s.eps, s.decay, s.step_size, s.inv_sqrt_bc2,
+        s.key or 0,
         BS=block_size, NB=cfg.blocks_per_program, ITERS=cfg.iters_per_program,
-        ALIGNED=plan.aligned and plan.galigned,
+        ALIGNED=plan.aligned and plan.galigned, STOCH=s.key is not None, M_FP32=m_fp32, R_FP32=r_fp32,
         AMAX_MIN=AMAX_FLOOR, QMAX=E4M3_MAX, QMIN_SUB=E4M3_MIN_SUBNORMAL,
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    return plan
 
 
 # ----------------------------------------------------------------------------------------------------
 # The optimizer
 # ----------------------------------------------------------------------------------------------------
-
-
-def check_deepspeed_config(ds_config: dict[str, Any]) -> None:
-    """Raise if a DeepSpeed config would save FP8AdamW state in ZeRO's elastic format (see module doc)."""
-    zero = ds_config.get("zero_optimization", {}) or {}
-    if zero.get("elastic_checkpoint", False):
-        raise ValueError(
-            "FP8AdamW keeps one scale per block of elements, which DeepSpeed's elastic checkpoint "
-            "(zero_optimization.elastic_checkpoint=true) trims and re-partitions as if it were per element; "
-            "set zero_optimization.elastic_checkpoint=false (the default)"
-        )
 
 
 class FP8AdamW(torch.optim.Optimizer):
@@ -461,6 +556,8 @@ class FP8AdamW(torch.optim.Optimizer):
         backend: "auto" (Triton on CUDA, torch on CPU), "triton" (also CPU under TRITON_INTERPRET=1)
             or "torch".
         kernel: launch shape of the fused kernel.
+        rounding: "stochastic" (default; see the module doc) or "nearest" rounding of the stored moments.
+        fp32_moments: moments ("exp_avg", "exp_avg_sq") kept in fp32 instead of E4M3 (ablation).
     """
 
     def __init__(
@@ -475,6 +572,8 @@ class FP8AdamW(torch.optim.Optimizer):
         *,
         backend: str = "auto",
         kernel: KernelConfig | None = None,
+        rounding: str = "stochastic",
+        fp32_moments: Sequence[str] = (),
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -486,12 +585,16 @@ class FP8AdamW(torch.optim.Optimizer):
         )
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"FP8AdamW backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"FP8AdamW rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        unknown = sorted(set(fp32_moments) - set(MOMENTS))
+        if unknown:
+            raise ValueError(f"FP8AdamW fp32_moments: unknown moment(s) {unknown} (known: {list(MOMENTS)})")
         self.backend = backend
         self.kernel = kernel or KernelConfig()
-        self._plans: dict[tuple, LaunchPlan] = {}
-        self._fast: dict[int, dict[str, Any]] = {}  # id(param group) -> what `_fast_step` reuses
-        self._version = 0  # bumped whenever state tensors may have been replaced
-        self._zero_checked = False
+        self.rounding = rounding
+        self.fp32_moments = frozenset(fp32_moments)
+        self._plans: dict[tuple, LaunchPlan] = {}  # static launch key (pointers and sizes) -> device tables
         super().__init__(params, defaults)
 
     # -- validation ------------------------------------------------------------------------------------
@@ -513,8 +616,8 @@ class FP8AdamW(torch.optim.Optimizer):
         raw: dict[Any, dict[str, torch.Tensor]] = {}
         lean: dict[Any, dict[str, Any]] = {}
         for pid, st in state_dict["state"].items():
-            is_fp8 = "exp_avg_scale" in st  # fp32-moment tensors use the same key names with fp32 values
-            raw[pid] = {k: st[k] for k in _FP8_BYTES_KEYS if k in st and is_fp8}
+            # a moment is FP8 when its scale is there (fp32-moment tensors use the same names without one)
+            raw[pid] = {k: st[k] for k, scale in _SCALE_KEY.items() if k in st and scale in st}
             lean[pid] = {k: v for k, v in st.items() if k not in raw[pid]}
         super().load_state_dict({**state_dict, "state": lean})
         saved_ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
@@ -524,9 +627,7 @@ class FP8AdamW(torch.optim.Optimizer):
                 if v.dtype != torch.uint8:  # e.g. a state dict that went through torch's cast before
                     v = v.to(torch.uint8)
                 self.state[p][k] = v.to(device=p.device, copy=True)
-        self._plans.clear()  # state tensors were replaced: rebuild pointer tables
-        self._fast.clear()
-        self._version += 1
+        self._plans.clear()
 
     # -- step ------------------------------------------------------------------------------------------
 
@@ -536,9 +637,6 @@ class FP8AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._zero_checked:
-            _refuse_elastic_zero_caller(self)
-            self._zero_checked = True
         for group in self.param_groups:
             self._step_group(group)
         return loss
@@ -551,90 +649,6 @@ class FP8AdamW(torch.optim.Optimizer):
         return device.type == "cuda" and HAS_TRITON
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        if self._fast_step(group):
-            return
-        self._slow_step(group)
-
-    def _fast_step(self, group: dict[str, Any]) -> bool:
-        """The common case at low host cost (hundreds of tensors per group): the same params have grads
-        and sit where they did, their state was checked before, one grad dtype, one step count, the
-        Triton backend. Returns False (having changed nothing) when the general path must run."""
-        cache = self._fast.get(id(group))
-        if cache is None or cache["version"] != self._version:
-            return False
-        ps = [p for p in group["params"] if p.grad is not None]
-        if list(map(id, ps)) != cache["ids"] or [p.data_ptr() for p in ps] != cache["pptrs"]:
-            return False
-        grads = [p.grad for p in ps]
-        try:
-            gptrs = [g.data_ptr() for g in grads]
-        except RuntimeError:  # e.g. a sparse grad: the general path names the problem
-            return False
-        if gptrs != cache["gptrs"]:  # grads moved: check them again
-            gd = grads[0].dtype
-            if any(g.dtype != gd or g.is_sparse or not g.is_contiguous() for g in grads):
-                return False
-            cache["gptrs"], cache["gdtype"] = gptrs, gd
-        cache["step_buf"].add_(1.0)  # every FP8 param's state["step"] is a view into this buffer
-        cache["step"] += 1
-        beta1, beta2 = group["betas"]
-        bs = int(group["block_size"])
-        s = AdamScalars.from_hparams(
-            group["lr"], beta1, beta2, group["eps"], group["weight_decay"], cache["step"]
-        )
-        is_fp8 = cache["is_fp8"]
-        fp8_grads = [g for g, f in zip(grads, is_fp8) if f]
-        tensors = [(t[0], g, *t[1:]) for t, g in zip(cache["tuples"], fp8_grads)]
-        # the plan lives in the cache, so it is dropped with it whenever the set of tensors changes
-        # (`trust_static` skips re-checking the param/state pointers that the cache key has just checked)
-        cache["plan"] = fp8_adamw_update_triton(tensors, s, bs, self.kernel, plan=cache["plan"], trust_static=True)
-        if cache["small"]:
-            small_grads = [g for g, f in zip(grads, is_fp8) if not f]
-            self._step_fp32_moments(group, [(p, g, st) for (p, st), g in zip(cache["small"], small_grads)])
-        return True
-
-    def _remember_fast(self, group: dict[str, Any], fp8: list, small: list) -> None:
-        """Record a group for `_fast_step` when it qualifies (contiguous params on one Triton device, one
-        grad dtype, one step count). Re-points each FP8 param's state["step"] to a view into one shared
-        buffer, so that a step increments all of them with one op."""
-        self._fast.pop(id(group), None)
-        if not fp8 or not all(p.is_contiguous() for p, _, _ in fp8):
-            return
-        device = fp8[0][0].device
-        if not self._use_triton(device) or any(p.device != device for p, _, _ in fp8):
-            return
-        grads = [g for _, g, _ in fp8] + [g for _, g, _ in small]
-        gd = grads[0].dtype
-        if any(g.dtype != gd or not g.is_contiguous() for g in grads):
-            return
-        steps = torch.stack([st["step"].reshape(()) for _, _, st in fp8]).float()
-        if not bool((steps == steps[0]).all()):
-            return
-        buf = steps.clone()
-        for i, (_, _, st) in enumerate(fp8):
-            st["step"] = buf[i]
-        ps = [p for p in group["params"] if p.grad is not None]
-        fp8_ids = {id(p) for p, _, _ in fp8}
-        small_states = {id(p): st for p, _, st in small}
-        self._fast[id(group)] = {
-            "version": self._version,
-            "ids": [id(p) for p in ps],
-            "pptrs": [p.data_ptr() for p in ps],
-            "gptrs": [p.grad.data_ptr() for p in ps],
-            "gdtype": gd,
-            "is_fp8": [id(p) in fp8_ids for p in ps],
-            "step_buf": buf,
-            "step": int(buf[0].item()),
-            "tuples": [
-                (p, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"])
-                for p, _, st in fp8
-            ],
-            "small": [(p, small_states[id(p)]) for p in ps if id(p) in small_states],
-            "plan": None,  # LaunchPlan of these exact tuples, built at the first fast step
-        }
-
-    def _slow_step(self, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
         bs = int(group["block_size"])
         small: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         fp8: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
@@ -642,81 +656,43 @@ class FP8AdamW(torch.optim.Optimizer):
             g = p.grad
             if g is None:
                 continue
-            _check_param(p)
-            if g.is_sparse:
-                raise RuntimeError(
-                    f"FP8AdamW does not support sparse gradients (param of shape {tuple(p.shape)}); "
-                    "use dense gradients (e.g. nn.Embedding(sparse=False))"
-                )
-            if g.shape != p.shape:
-                raise ValueError(f"grad shape {tuple(g.shape)} does not match param shape {tuple(p.shape)}")
-            if g.dtype not in _GRAD_DTYPES:
-                raise TypeError(f"FP8AdamW needs fp32/bf16/fp16 grads, got {g.dtype}")
+            _check_grad(p, g)
             state = self.state[p]
             if len(state) == 0:
                 self._init_state(p, state, group)
-            if "exp_avg_sq" in state:  # fp32-moment tensor
-                small.append((p, g, state))
-            else:
-                fp8.append((p, g, state))
-
+            (small if "exp_avg_sq" in state else fp8).append((p, g, state))
         if fp8:
-            steps = [st["step"] for _, _, st in fp8]
-            torch._foreach_add_(steps, 1.0)
-            step_values = torch.stack(steps).tolist()
-            # (device, grad dtype, step) -> tensor tuples of one fused launch
-            launches: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
-            writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for (p, g, st), step in zip(fp8, step_values):
-                _check_fp8_state(p, st, bs)
-                pf = p if p.is_contiguous() else p.contiguous()
-                if pf is not p:
-                    writebacks.append((p, pf))
-                tup = (
-                    pf,
-                    g if g.is_contiguous() else g.contiguous(),
-                    st["exp_avg"],
-                    st["exp_avg_scale"],
-                    st["exp_avg_sq_root"],
-                    st["exp_avg_sq_root_scale"],
-                )
-                launches.setdefault((p.device, g.dtype, int(step)), []).append(tup)
-            for (device, gdtype, step), tensors in launches.items():
-                s = AdamScalars.from_hparams(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step)
-                if self._use_triton(device):
-                    pkey = (str(device), gdtype, bs, tensors[0][0].data_ptr())
-                    if len(self._plans) > 256:  # params keep moving (unusual): don't hoard tables
-                        self._plans.clear()
-                    self._plans[pkey] = fp8_adamw_update_triton(tensors, s, bs, self.kernel, plan=self._plans.get(pkey))
-                else:
-                    for p, g, *st in tensors:
-                        fp8_adamw_update_reference(p.view(-1), g.view(-1), *st, s=s, block_size=bs)
-            for p, pf in writebacks:
-                p.copy_(pf)
-        self._remember_fast(group, fp8, small)
-
+            self._step_fp8_moments(group, fp8, bs)
         if small:
-            self._step_fp32_moments(group, small)
+            _step_fp32_moments(group, small)
 
-    @staticmethod
-    def _step_fp32_moments(group: dict[str, Any], small: list) -> None:
-        """Tensors below min_fp8_numel: torch's own AdamW (foreach) on fp32 moments."""
+    def _step_fp8_moments(self, group: dict[str, Any], fp8: list, bs: int) -> None:
+        steps = [st["step"] for _, _, st in fp8]
+        torch._foreach_add_(steps, 1.0)
+        # (device, grad dtype, step) -> tensor tuples of one fused launch (one launch in the common case)
+        launches: dict[tuple, list[tuple]] = {}
+        writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (p, g, st), step in zip(fp8, torch.stack(steps).tolist()):  # CPU step counters: no device sync
+            _check_fp8_state(p, st, bs)
+            pf = p if p.is_contiguous() else p.contiguous()
+            if pf is not p:
+                writebacks.append((p, pf))
+            m, r = st["exp_avg"], st["exp_avg_sq_root"]  # uint8 codes + scale, or fp32 (scale None)
+            tup = (pf, g if g.is_contiguous() else g.contiguous(), m, st["exp_avg_scale"] if m.dtype == torch.uint8
+                   else None, r, st["exp_avg_sq_root_scale"] if r.dtype == torch.uint8 else None)  # fmt: skip
+            layout = (tup[3] is None, tup[5] is None)  # which moments are fp32: one kernel variant per launch
+            launches.setdefault((p.device, g.dtype, int(step), layout), []).append(tup)
         beta1, beta2 = group["betas"]
-        _torch_adamw(
-            [p for p, _, _ in small],
-            [g for _, g, _ in small],
-            [st["exp_avg"] for _, _, st in small],
-            [st["exp_avg_sq"] for _, _, st in small],
-            [],
-            [st["step"] for _, _, st in small],
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+        for (device, _, step, _), tensors in launches.items():
+            s = AdamScalars.from_hparams(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step,
+                                         self.rounding)  # fmt: skip
+            if self._use_triton(device):
+                fp8_adamw_update_triton(tensors, s, bs, self.kernel, self._plans)
+            else:
+                for p, g, *moments in tensors:
+                    fp8_adamw_update_reference(p.view(-1), g.view(-1), *moments, s=s, block_size=bs)
+        for p, pf in writebacks:
+            p.copy_(pf)
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -726,10 +702,12 @@ class FP8AdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             return
         nb = cdiv(n, int(group["block_size"]))
-        state["exp_avg"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
-        state["exp_avg_scale"] = torch.ones(nb, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq_root"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
-        state["exp_avg_sq_root_scale"] = torch.ones(nb, dtype=torch.float32, device=p.device)
+        for key, moment in (("exp_avg", "exp_avg"), ("exp_avg_sq_root", "exp_avg_sq")):
+            if moment in self.fp32_moments:
+                state[key] = torch.zeros(n, dtype=torch.float32, device=p.device)
+            else:
+                state[key] = torch.zeros(n, dtype=torch.uint8, device=p.device)
+                state[_SCALE_KEY[key]] = torch.ones(nb, dtype=torch.float32, device=p.device)
 
     # -- introspection ---------------------------------------------------------------------------------
 
@@ -748,15 +726,35 @@ class FP8AdamW(torch.optim.Optimizer):
         if "exp_avg_sq" in st:
             return st["exp_avg"].clone(), st["exp_avg_sq"].clone()
         bs = self._group_of(p)["block_size"]
-        m = dequantize_blockwise_reference(st["exp_avg"], st["exp_avg_scale"], bs)
-        r = dequantize_blockwise_reference(st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"], bs)
-        return m.view(p.shape), (r * r).view(p.shape)
+        m = _load_moment(st["exp_avg"], st.get("exp_avg_scale"), bs)
+        r = _load_moment(st["exp_avg_sq_root"], st.get("exp_avg_sq_root_scale"), bs)
+        return m.view(p.shape).clone(), (r * r).view(p.shape)
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
         for g in self.param_groups:
             if any(q is p for q in g["params"]):
                 return g
         raise KeyError("parameter is not in this optimizer")
+
+
+def _step_fp32_moments(group: dict[str, Any], small: list) -> None:
+    """Tensors below min_fp8_numel: torch's own AdamW (foreach) on fp32 moments."""
+    beta1, beta2 = group["betas"]
+    _torch_adamw(
+        [p for p, _, _ in small],
+        [g for _, g, _ in small],
+        [st["exp_avg"] for _, _, st in small],
+        [st["exp_avg_sq"] for _, _, st in small],
+        [],
+        [st["step"] for _, _, st in small],
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
 
 
 def _validate_group(group: dict[str, Any]) -> None:
@@ -784,32 +782,32 @@ def _check_param(p: torch.Tensor) -> None:
         )
 
 
-def _check_fp8_state(p: torch.Tensor, state: dict, block_size: int) -> None:
-    n, nb = p.numel(), cdiv(p.numel(), block_size)
-    want = {"exp_avg": n, "exp_avg_scale": nb, "exp_avg_sq_root": n, "exp_avg_sq_root_scale": nb}
-    if any(state[k].numel() != size for k, size in want.items()):
-        shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
-        expected = {k: (size,) for k, size in want.items()}
+def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    _check_param(p)
+    if g.is_sparse:
         raise RuntimeError(
-            f"FP8AdamW state of a parameter with {n} elements (block_size {block_size}) has shapes {shapes}, "
-            f"expected {expected}: was the state trimmed or re-partitioned (DeepSpeed elastic checkpoint?) "
-            "or saved with another block_size?"
+            f"FP8AdamW does not support sparse gradients (param of shape {tuple(p.shape)}); "
+            "use dense gradients (e.g. nn.Embedding(sparse=False))"
         )
+    if g.shape != p.shape:
+        raise ValueError(f"grad shape {tuple(g.shape)} does not match param shape {tuple(p.shape)}")
+    if g.dtype not in _GRAD_DTYPES:
+        raise TypeError(f"FP8AdamW needs fp32/bf16/fp16 grads, got {g.dtype}")
 
 
-def _refuse_elastic_zero_caller(opt: FP8AdamW) -> None:
-    """If a DeepSpeed ZeRO optimizer with elastic checkpointing drives `opt`, raise (see module doc)."""
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return
-        caller = frame.f_locals.get("self")
-        if caller is not None and caller is not opt and getattr(caller, "optimizer", None) is opt:
-            if getattr(caller, "elastic_checkpoint", False):
-                raise RuntimeError(
-                    "FP8AdamW under DeepSpeed ZeRO with elastic_checkpoint=true: ZeRO's elastic checkpoint "
-                    "trims and re-partitions optimizer state per element, which breaks FP8AdamW's per-block "
-                    "scales; set zero_optimization.elastic_checkpoint=false (the default)"
-                )
-            return
-        frame = frame.f_back
+def _check_fp8_state(p: torch.Tensor, state: dict, block_size: int) -> None:
+    """The moments and scales must have exactly the sizes the kernel will index (else it would write out of
+    bounds): n elements per moment (uint8 codes or fp32), ceil(n / block_size) per scale."""
+    n = p.numel()
+    nb = -(-n // block_size)
+    for key, scale_key in _SCALE_KEY.items():
+        q, scale = state.get(key), state.get(scale_key)
+        if q is None or q.numel() != n or (
+            scale.numel() != nb if q.dtype == torch.uint8 and scale is not None else q.dtype != torch.float32
+        ):
+            shapes = {k: tuple(state[k].shape) for k in FP8_STATE_KEYS if k in state}
+            raise RuntimeError(
+                f"FP8AdamW state of a parameter with {n} elements (block_size {block_size}) has shapes {shapes}, "
+                f"expected moments ({n},) with scales ({nb},) (or fp32 moments ({n},) without): was the state "
+                "trimmed or re-partitioned (DeepSpeed elastic checkpoint?) or saved with another block_size?"
+            )

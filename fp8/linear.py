@@ -24,6 +24,18 @@ parameters rewritten behind autograd's back (DeepSpeed writes through `.data`; a
 buffer): `ling.engine.build_engine` calls it from an optimizer step hook, so no loop has to remember it.
 `module.invalidate_weight_cache()` drops one cache.
 
+Health, check and fallback hooks (read and set by `fp8.monitor.FP8Monitor`): `collect_health = True` makes the
+next forward+backward fill `health` with 0-dim device tensors (act/grad/gradT/weight underflow and distortion,
+no host sync); with `check_dw = True` as well, the forward keeps the high-precision x for that one pass and the
+backward recomputes dW = dyᵀ·x in fp32 from dy and x and stores ||dW_fp8 − dW_ref|| / ||dW_ref|| as
+`health["dw_rel_err"]`. `use_fp8 = False` turns the layer into a plain high-precision linear (F.linear in the
+input dtype: BF16 under DeepSpeed bf16), the monitor's per-layer fallback.
+
+Ablation (`set_ablation(components)`, config `fp8.ablate`): each named component of `ABLATION_COMPONENTS` runs
+in high precision while the others keep their FP8 rounding; the GEMMs then run as fp32 matmuls of the
+dequantized (or exact) operands (`_AblatedFP8Fn`, slower, for experiments only; an ablated layer collects no
+health). With no component ablated on CPU it computes exactly what the FP8 path computes.
+
 Devices: CUDA tensors run the Triton kernels; CPU tensors run the same maths in PyTorch (fp8/quant.py and
 fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 out).
 """
@@ -34,12 +46,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fp8._triton_utils import E4M3
 from fp8.gemm import fp8_gemm, fp8_gemm_wgrad
-from fp8.health import health_stats
+from fp8.health import health_stats, relative_error
 from fp8.quant import (
+    dequantize_1x128,
+    dequantize_128x128,
     fp8_transpose_128x128,
     quantize_1x128,
     quantize_1x128_dual,
@@ -48,9 +63,13 @@ from fp8.quant import (
     quantize_tensorwise,
 )
 
-__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "RECIPES"]
+__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "RECIPES", "ABLATION_COMPONENTS"]
 
 RECIPES = ("blockwise", "tensorwise")
+# What `FP8Linear.set_ablation` can keep in high precision: the forward's x and W, dgrad's dy and W, wgrad's dyᵀ
+# and xᵀ, and the rounding of dW to the weight's dtype in the wgrad epilogue (with a bf16 weight autograd rounds
+# the returned fp32 dW to bf16 at once, round to nearest even like the epilogue: bit-identical, see README).
+ABLATION_COMPONENTS = ("fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x", "wgrad_bf16")
 _GENERATION = [0]
 
 
@@ -97,7 +116,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
             x_q, x_s = quantize_1x128(x, pow2)
             xt_q = xt_s = None
         y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
-        ctx.save_for_backward(xt_q, xt_s, w_q, w_s)
+        ctx.save_for_backward(xt_q, xt_s, w_q, w_s, _kept_for_dw_check(module, x, need_wgrad))
         ctx.pow2, ctx.x_dtype, ctx.w_dtype = pow2, x.dtype, weight.dtype
         ctx.module = module  # set only while health is being collected
         if module is not None:
@@ -106,7 +125,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xt_q, xt_s, w_q, w_s = ctx.saved_tensors
+        xt_q, xt_s, w_q, w_s, x_kept = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dw and xt_q is None:
             raise RuntimeError("FP8Linear: weight gradient requested but the forward ran without it in mind")
@@ -129,7 +148,21 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
                 ctx.module.health.update(health_stats("grad", dy, dy_q))
             if need_dw:
                 ctx.module.health.update(health_stats("gradT", dy.t(), dyt_q))
+            _check_dw(ctx.module, dw, dy, x_kept)
         return dx, dw, None, None, None, None, None
+
+
+def _kept_for_dw_check(module: Any, x: torch.Tensor, need_wgrad: bool) -> torch.Tensor | None:
+    """The high-precision x, kept for backward only while the module collects health with `check_dw`."""
+    return x if module is not None and need_wgrad and module.check_dw else None
+
+
+def _check_dw(module: Any, dw: torch.Tensor | None, dy: torch.Tensor, x: torch.Tensor | None) -> None:
+    """health["dw_rel_err"] = ||dW − dyᵀ·x|| / ||dyᵀ·x|| with the reference in fp32 from the high-precision dy
+    [M, N] and x [M, K] of the same micro-batch (the Ling team's recompute check)."""
+    if dw is not None and x is not None:
+        with torch.no_grad():
+            module.health["dw_rel_err"] = relative_error(dw, dy.float().t() @ x.float())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,7 +182,7 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
     def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any, need_wgrad: bool):
         x_q, x_s = quantize_tensorwise(x)
         y = _tensorwise_mm(x_q, x_s, w_q, w_s, x.dtype)
-        ctx.save_for_backward(x_q, x_s, w_q, w_s)
+        ctx.save_for_backward(x_q, x_s, w_q, w_s, _kept_for_dw_check(module, x, need_wgrad))
         ctx.x_dtype, ctx.w_dtype, ctx.module = x.dtype, weight.dtype, module
         if module is not None:
             module.health.update(health_stats("act", x, x_q))
@@ -157,7 +190,7 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_q, x_s, w_q, w_s = ctx.saved_tensors
+        x_q, x_s, w_q, w_s, x_kept = ctx.saved_tensors
         dy = dy.reshape(-1, dy.shape[-1])
         dy_q, dy_s = quantize_tensorwise(dy)
         dx = dw = None
@@ -170,7 +203,47 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
                 ctx.module.health.update(health_stats("gradT", dy.t(), dyt))
         if ctx.module is not None:
             ctx.module.health.update(health_stats("grad", dy, dy_q))
+            _check_dw(ctx.module, dw, dy, x_kept)
         return dx, dw, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ablation: chosen components in high precision, the rest with the blockwise recipe's rounding
+# ----------------------------------------------------------------------------------------------------------
+def _rounded_1x128(t: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """t [M, K] → fp32 dequantize(quantize_1x128(t)): the values the FP8 GEMM sees."""
+    return dequantize_1x128(*quantize_1x128(t, pow2))
+
+
+class _AblatedFP8Fn(torch.autograd.Function):
+    """The blockwise recipe's three GEMMs as fp32 matmuls of operands that are either rounded like the recipe
+    (dequantized 1x128 / 128x128 values, the cached W included) or exact, per `ablate`. Saves the
+    high-precision x (experiments only)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w_q, w_s, pow2: bool, ablate: frozenset):  # x [M, K], W [N, K]
+        a = x.float() if "fwd_x" in ablate else _rounded_1x128(x, pow2)
+        b = weight.float() if "fwd_w" in ablate else dequantize_128x128(w_q, w_s)
+        ctx.save_for_backward(x, weight, w_q, w_s)
+        ctx.pow2, ctx.ablate = pow2, ablate
+        return (a @ b.t()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, w_q, w_s = ctx.saved_tensors
+        ab, pow2 = ctx.ablate, ctx.pow2
+        dy = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            a = dy.float() if "dgrad_dy" in ab else _rounded_1x128(dy, pow2)
+            wt = weight.t().float() if "dgrad_w" in ab else dequantize_128x128(*fp8_transpose_128x128(w_q, w_s))
+            dx = (a @ wt.t()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            a = dy.t().float() if "wgrad_dy" in ab else _rounded_1x128(dy.t(), pow2)
+            b = x.t().float() if "wgrad_x" in ab else _rounded_1x128(x.t(), pow2)
+            dw = a @ b.t()
+            dw = dw if "wgrad_bf16" in ab else dw.to(weight.dtype)
+        return dx, dw, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,7 +254,9 @@ class FP8Linear(nn.Linear):
 
     Input [..., in_features] of any float dtype; output [..., out_features] in the input's dtype. `bias`
     is supported (added in the input dtype after the FP8 GEMM). Set `collect_health = True` to have the
-    next forward+backward fill `health` with act/grad/gradT/weight underflow and distortion.
+    next forward+backward fill `health` with act/grad/gradT/weight underflow and distortion (0-dim device
+    tensors), plus `dw_rel_err` with `check_dw = True`; `use_fp8 = False` makes it a plain linear;
+    `set_ablation(...)` keeps chosen parts of the recipe in high precision (module doc).
     """
 
     def __init__(
@@ -201,11 +276,26 @@ class FP8Linear(nn.Linear):
         self.recipe = recipe
         self.pow2_scales = bool(pow2_scales)
         self.collect_health: bool = False
-        self.health: dict[str, float] = {}
+        self.check_dw: bool = False
+        self.health: dict[str, torch.Tensor] = {}
+        self.use_fp8: bool = True
+        self.ablate: frozenset[str] = frozenset()
         self._wcache = WeightCache(self._quantize_weight)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}, pow2_scales={self.pow2_scales}"
+        extra = "" if self.use_fp8 else ", use_fp8=False"
+        extra += f", ablate={sorted(self.ablate)}" if self.ablate else ""
+        return f"{super().extra_repr()}, recipe={self.recipe}, pow2_scales={self.pow2_scales}{extra}"
+
+    def set_ablation(self, components) -> None:
+        """Keep `components` (names from ABLATION_COMPONENTS) in high precision; an empty set restores the recipe."""
+        components = frozenset(components)
+        unknown = sorted(components - set(ABLATION_COMPONENTS))
+        if unknown:
+            raise ValueError(f"unknown FP8Linear ablation component(s) {unknown}; known: {list(ABLATION_COMPONENTS)}")
+        if components and self.recipe != "blockwise":
+            raise ValueError(f"FP8Linear ablation needs recipe='blockwise', this layer has recipe={self.recipe!r}")
+        self.ablate = components
 
     def invalidate_weight_cache(self) -> None:
         self._wcache.clear()
@@ -224,16 +314,23 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"FP8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}")
         if not x.dtype.is_floating_point or x.dtype == E4M3:
             raise TypeError(f"FP8Linear input must be a high-precision float tensor, got {x.dtype}")
+        if not self.use_fp8:  # the monitor's per-layer fallback: a plain high-precision linear
+            return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         w_q, w_s = self.quantized_weight()
+        if self.ablate:
+            y = _AblatedFP8Fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, self.ablate)
+            return self._finish(y, lead)
         module = None
         if self.collect_health:
             self.health = health_stats("weight", self.weight.detach(), w_q)
             module = self
         fn = _BlockwiseFP8Fn if self.recipe == "blockwise" else _TensorwiseFP8Fn
         need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
-        y = fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, module, need_wgrad)
+        return self._finish(fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, module, need_wgrad), lead)
+
+    def _finish(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         y = y.reshape(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

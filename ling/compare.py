@@ -31,7 +31,8 @@ from omegaconf import OmegaConf
 # Config keys two runs of a comparison may differ in without a warning: what makes the FP8 / BF16 twin (the
 # precision recipe, the optimizer's moment format), the seed of a seed sweep, and bookkeeping.
 EXPECTED_DIFFERENCES = ("run_name", "precision.", "fp8.", "optim.name", "optim.block_size", "optim.min_fp8_numel",
-                        "train.seed", "data.seed", "logging.", "train.checkpoint_dir", "train.resume")
+                        "optim.rounding", "train.seed", "data.seed", "logging.", "train.checkpoint_dir", "train.resume",
+                        "train.deterministic")
 HEALTH_KINDS = ("act", "grad", "gradT", "weight")
 HEALTH_STATS = ("underflow", "distortion")
 TARGET_REL_DIFF = 1e-3  # Ling 2.0 reports about 0.1 % between FP8 and BF16 loss

@@ -30,7 +30,11 @@ from model.ling import LingForCausalLM
 MOE_KEYS = {"pad_for_fp8": "pad_for_fp8", "pad_multiple": "moe_pad_multiple", "ep_size": "ep_size"}  # → ModelConfig
 OPTIM_KEYS = {"name", "lr", "betas", "eps", "weight_decay", "grad_clip", "schedule", "warmup_steps",
               "min_lr_ratio", "decay_fraction"}
-FP8_OPTIM_KEYS = {"block_size", "min_fp8_numel"}
+FP8_OPTIM_KEYS = {"block_size", "min_fp8_numel", "rounding"}
+# `fp8.ablate`: FP8 components kept in high precision, one switch each (README "FP8 ablation"): the FP8Linear
+# GEMM operands (fp8.linear.ABLATION_COMPONENTS), the routed experts as a whole, FP8AdamW's two moments.
+ADAM_ABLATIONS = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}
+EXPERTS_ABLATION = "experts"
 
 
 def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> ModelConfig:
@@ -104,8 +108,54 @@ def moe_param_groups(model: LingForCausalLM, groups: list[dict[str, Any]]) -> li
     return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
-def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig) -> torch.optim.Optimizer:
-    """`optim.name`: "adamw" (torch AdamW, fp32 moments) or "fp8_adamw" (E4M3 moments, `fp8.adam`)."""
+def fp8_ablation(cfg: DictConfig) -> frozenset[str]:
+    """The validated `fp8.ablate` list (empty when absent)."""
+    from fp8.linear import ABLATION_COMPONENTS
+
+    ablate = frozenset(cfg.fp8.get("ablate") or ())
+    known = (*ABLATION_COMPONENTS, EXPERTS_ABLATION, *ADAM_ABLATIONS)
+    unknown = sorted(ablate - set(known))
+    if unknown:
+        raise ValueError(f"fp8.ablate: unknown component(s) {unknown}; known: {list(known)}")
+    if ablate & set(ADAM_ABLATIONS) and cfg.optim.name != "fp8_adamw":
+        raise ValueError(f"fp8.ablate={sorted(ablate)}: adam_m / adam_v need optim=fp8_adamw, got "
+                         f"optim.name={cfg.optim.name!r}")
+    linear = ablate - set(ADAM_ABLATIONS)
+    if linear and cfg.precision.name != "fp8":
+        raise ValueError(f"fp8.ablate={sorted(linear)} needs precision=fp8 (got precision={cfg.precision.name})")
+    return ablate
+
+
+def apply_fp8_ablation(model: nn.Module, ablate: frozenset[str]) -> None:
+    """Switch the model's FP8 components named in `ablate` to high precision (FP8Linear operands; the routed
+    experts' grouped GEMMs with "experts")."""
+    from fp8.linear import ABLATION_COMPONENTS, FP8Linear
+    from model.moe import GroupedExperts
+
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            m.set_ablation(ablate & set(ABLATION_COMPONENTS))
+        elif isinstance(m, GroupedExperts) and EXPERTS_ABLATION in ablate:
+            m.fp8 = False  # the bf16 grouped-GEMM path (torch._grouped_mm), same weights
+
+
+def check_deepspeed_config(ds_config: dict[str, Any], optim_name: str) -> None:
+    """Refuse DeepSpeed settings the optimizer cannot work under. FP8AdamW keeps one scale per block of
+    elements, which ZeRO's elastic checkpoint (zero_optimization.elastic_checkpoint=true) trims and
+    re-partitions as if it were per element."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+    if optim_name == "fp8_adamw" and zero.get("elastic_checkpoint", False):
+        raise ValueError(
+            "optim=fp8_adamw keeps one scale per block of elements, which DeepSpeed's elastic checkpoint "
+            "(zero_optimization.elastic_checkpoint=true) trims and re-partitions as if it were per element; "
+            "set zero_optimization.elastic_checkpoint=false (the default)"
+        )
+
+
+def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig,
+                    ablate: frozenset[str] = frozenset()) -> torch.optim.Optimizer:
+    """`optim.name`: "adamw" (torch AdamW, fp32 moments) or "fp8_adamw" (E4M3 moments, `fp8.adam`); `ablate`
+    may keep FP8AdamW's moments in fp32 (adam_m, adam_v)."""
     known = OPTIM_KEYS | (FP8_OPTIM_KEYS if optim.get("name") == "fp8_adamw" else set())
     unknown = sorted(set(optim.keys()) - known)
     if unknown:
@@ -120,8 +170,9 @@ def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig) -> torc
     if optim.name == "fp8_adamw":
         from fp8.adam import FP8AdamW
 
-        return FP8AdamW(groups, **common, block_size=int(optim.block_size),
-                        min_fp8_numel=int(optim.min_fp8_numel))
+        return FP8AdamW(groups, **common, block_size=int(optim.block_size), min_fp8_numel=int(optim.min_fp8_numel),
+                        rounding=str(optim.get("rounding", "stochastic")),
+                        fp32_moments=[ADAM_ABLATIONS[a] for a in sorted(ablate & set(ADAM_ABLATIONS))])
     raise ValueError(f"optim.name={optim.name!r} is unknown (known: adamw, fp8_adamw)")
 
 
@@ -204,10 +255,8 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     ep_group = expert_parallel_group(model_config.ep_size, int(cfg.deepspeed.zero_stage))
     use_bf16 = device.type == "cuda" and bool(cfg.deepspeed.get("bf16", True))
     ds_config = deepspeed_config(cfg, use_bf16)
-    if cfg.optim.name == "fp8_adamw":
-        from fp8.adam import check_deepspeed_config
-
-        check_deepspeed_config(ds_config)  # ZeRO's elastic checkpoint would break per-block moment scales
+    check_deepspeed_config(ds_config, cfg.optim.name)  # before anything is built: refusals come fast
+    ablate = fp8_ablation(cfg)
     if int(cfg.deepspeed.zero_stage) == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = LingForCausalLM(model_config)
@@ -219,8 +268,10 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
         from ling.hf import load_hf_checkpoint
 
         load_hf_checkpoint(model, cfg.train.init_from)
+    apply_fp8_ablation(model, ablate)
     groups = param_groups(model, float(cfg.optim.weight_decay))
-    optimizer = build_optimizer(moe_param_groups(model, groups) if ep_group is not None else groups, cfg.optim)
+    optimizer = build_optimizer(moe_param_groups(model, groups) if ep_group is not None else groups, cfg.optim,
+                                ablate)
     # DeepSpeed writes updated weights through `.data` (no autograd version bump): after every optimizer step
     # (whoever calls it: ZeRO's wrapper, a test, another loop) each FP8 weight cache is re-quantized once.
     optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches())

@@ -25,9 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from data import build_loader
 from data.config import DataError
-from fp8.linear import FP8Linear
+from fp8.monitor import FP8Monitor, MonitorConfig
 from ling import checkpoint
 from ling.checkpoint import atomic_write, broadcast, rank_world
+from ling.determinism import deterministic_mode
 from ling.engine import build_engine, model_config_from, resolve_device
 from ling.evaluate import evaluate
 from ling.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
@@ -54,7 +55,8 @@ def run_dir_from_hydra() -> Path:
 
 
 def fp8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    """The modules that collect FP8 health (FP8Linear, FP8 grouped experts)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "collect_health")]
 
 
 def _sum_across_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -62,6 +64,10 @@ def _sum_across_ranks(values: torch.Tensor) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values)
     return values
+
+
+def _mean_across_ranks(values: torch.Tensor) -> torch.Tensor:
+    return _sum_across_ranks(values) / rank_world()[1]
 
 
 def _due(every: int, step: int, total: int) -> bool:
@@ -79,6 +85,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(setup_logging(run_dir, rank, cfg.logging.level, cfg.logging.deepspeed_level))
         try:
+            stack.enter_context(deterministic_mode(bool(cfg.train.get("deterministic", False))))  # before any CUDA GEMM
             stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
             signals = stack.enter_context(StopSignals())
             trainer = Trainer(cfg, run_dir, signals)
@@ -117,6 +124,8 @@ class Trainer:
         check_engine_can_skip(self.engine)
         self.model = self.engine.module
         self.guard = NonFiniteGuard(int(tc.max_bad_steps), frozenset(int(s) for s in tc.inject_nan_steps))
+        self.monitor = FP8Monitor(fp8_modules(self.model),
+                                  MonitorConfig.from_dict(cfg.fp8.get("health_every", 0), cfg.fp8.get("monitor")))
 
         self.start_step, self.last_checkpoint, self.last_saved_step = 0, None, None
         if resume_from is not None:
@@ -125,6 +134,7 @@ class Trainer:
             self.last_checkpoint = resume_from
             self.loader.load_state_dict(state["loader"])
             self.guard.load_state_dict(state.get("guard", {}))
+            self.monitor.load_state_dict(state.get("fp8_monitor", {}))  # layers switched to BF16 stay so
         if self.rank == 0:
             dropped = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
             if dropped:
@@ -138,8 +148,6 @@ class Trainer:
         self.tokens_per_step = int(tc.micro_batch_size) * int(tc.seq_len) * self.accum * self.world
         self.flops_per_token = flops_per_token(self.model_config, self.counts, int(tc.seq_len))
         self.peak = peak_tflops(self.device, tc.get("peak_tflops"))
-        self.health_every = int(cfg.fp8.get("health_every", 0) or 0)
-        self.fp8_layers = fp8_modules(self.model)
         self.routers = self.model.routers()
         self.bias_rate = self.model_config.bias_update_rate if tc.bias_update else 0.0
         self.stop_requested = False
@@ -226,9 +234,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, Any]:
         """Optimizer step `step` (1-based; grad_accum micro-batches); returns its metrics, rank-averaged."""
         engine, device = self.engine, self.device
-        collect = self.health_every > 0 and (step - 1) % self.health_every == 0 and bool(self.fp8_layers)
-        for _, m in self.fp8_layers:
-            m.collect_health = collect
+        self.monitor.begin_step(step)  # sampled steps collect FP8 health
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -277,10 +283,7 @@ class Trainer:
             max_over_mean = [s["max_over_mean"] for s in loads]
             metrics["expert_load_max_over_mean"] = float(np.mean(max_over_mean))
             metrics["expert_load_max_over_mean_worst"] = float(np.max(max_over_mean))
-        if collect:
-            metrics.update(_health_metrics(self.fp8_layers))
-            for _, m in self.fp8_layers:
-                m.collect_health = False
+        metrics.update(self.monitor.end_step(step, _mean_across_ranks))  # alarms, recompute check, fallback
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -301,7 +304,8 @@ class Trainer:
                         self.last_checkpoint or "none (none was written yet)")
             return
         t0 = time.perf_counter()
-        state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
+        state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
+                 "fp8_monitor": self.monitor.state_dict()}
         self.last_checkpoint = checkpoint.save(self.engine, self.ckpt_dir, step, state, int(self.tc.keep_last))
         self.last_saved_step = step
         log.info("saved checkpoint %s (%.1f s)", self.last_checkpoint, time.perf_counter() - t0)
@@ -349,16 +353,3 @@ class Trainer:
     def close(self) -> None:
         self.logger.close()
 
-
-def _health_metrics(fp8_layers) -> dict[str, float]:
-    """Per-layer FP8 health (underflow, distortion) plus the mean over layers of each statistic."""
-    out: dict[str, float] = {}
-    per_key: dict[str, list[float]] = {}
-    for name, m in fp8_layers:
-        stats = getattr(m, "health", None) or {}
-        for key, value in stats.items():
-            out[f"fp8/{name}/{key}"] = float(value)
-            per_key.setdefault(key, []).append(float(value))
-    for key, values in per_key.items():
-        out[f"fp8/mean/{key}"] = float(np.mean(values))
-    return out

@@ -156,6 +156,8 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.fp8 = config.precision == "fp8"
         self.pow2_scales = config.fp8_pow2_scales
+        self.collect_health = False  # fp8.monitor's hook: a sampled step fills `health` (fp8.health)
+        self.health: dict[str, torch.Tensor] = {}
         if self.fp8:
             from fp8.grouped import quantize_expert_weights
             from fp8.linear import WeightCache
@@ -175,8 +177,13 @@ class GroupedExperts(nn.Module):
             from fp8.grouped import fp8_grouped_experts
 
             wq = (*self._gate_up_fp8.get(self.gate_up_proj), *self._down_fp8.get(self.down_proj))
-            return fp8_grouped_experts(x, topk_weight, self.gate_up_proj, self.down_proj, wq, plan.row_src,
-                                       plan.pos, plan.rows, self.pow2_scales)  # fmt: skip
+            out = fp8_grouped_experts(x, topk_weight, self.gate_up_proj, self.down_proj, wq, plan.row_src,
+                                      plan.pos, plan.rows, self.pow2_scales)  # fmt: skip
+            if self.collect_health:
+                from fp8.health import grouped_experts_health
+
+                self.health = grouped_experts_health(x, out, (self.gate_up_proj, self.down_proj), wq)
+            return out
         rows_x = permute(x, plan)
         gate = row_gates(topk_weight, plan)
         return unpermute(self._mlp(rows_x, gate, plan), plan)

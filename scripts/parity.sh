@@ -1,43 +1,66 @@
 #!/usr/bin/env bash
 # The FP8-vs-BF16 parity experiment (one GPU by default). For each seed: a BF16 run (+exp=parity_bf16), its FP8
-# twin (+exp=parity_fp8, identical seed, data order and schedule), and for the seeds in NOISE_SEEDS a second BF16
-# run of the same seed (GPU kernel nondeterminism alone: the noise floor). Each run's final checkpoint is then
-# evaluated on the held-out split (eval.py), and `eval.py compare` writes the report to $OUT/report/report.md.
+# twin (+exp=parity_fp8, identical seed, data order and schedule), both in deterministic mode (DETERMINISTIC,
+# default true: a difference between the two is FP8's own, not GPU kernel nondeterminism), one FP8 run per entry
+# of ABLATIONS (default none) with that component in high precision, and for the seeds in NOISE_SEEDS a second
+# BF16 run of the same seed without deterministic mode (the floor of kernel nondeterminism). Each run's final
+# checkpoint is evaluated on the held-out split (eval.py); `eval.py compare` writes the report to
+# $OUT/report/report.md, one per ablation to $OUT/report_no-<entry>/, and scripts/ablation_table.py the table of
+# all of them to $OUT/ablation.md.
 #
 #   bash scripts/parity.sh                                   # 3 seeds x 1,000 steps, noise pair on seed 1
 #   SEEDS="1 2" STEPS=1000 NOISE_SEEDS=1 bash scripts/parity.sh   # a budgeted version
 #   LAUNCH="torchrun --nproc_per_node 8" bash scripts/parity.sh train.micro_batch_size=1   # several GPUs
+#   ABLATIONS="fwd_x adam_v fwd_x,fwd_w optim.rounding=nearest" bash scripts/parity.sh    # see scripts/ablate.sh
 #
-# Extra arguments are Hydra overrides given to every training run. Rerunning resumes or skips finished runs
-# (each run dir resumes from its latest checkpoint; a finished one trains no further step).
+# An ABLATIONS entry is a comma-separated list of fp8.ablate components (README "FP8 ablation") or, when it holds
+# '=', one Hydra override. Extra arguments are Hydra overrides given to every training run. Rerunning resumes or
+# skips finished runs (each run dir resumes from its latest checkpoint; a finished one trains no further step).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS=${SEEDS:-"1 2 3"}
 STEPS=${STEPS:-1000}
 NOISE_SEEDS=${NOISE_SEEDS-"1"}
+DETERMINISTIC=${DETERMINISTIC:-true}
+ABLATIONS=${ABLATIONS-""}
 OUT=${OUT:-runs/parity}
 PY=${PYTHON:-python}
 LAUNCH=${LAUNCH:-$PY}
 EVAL_BATCHES=${EVAL_BATCHES:-null}   # null = the whole held-out split once
 
-run() {  # run NAME EXP SEED: train, then evaluate the final checkpoint
+run() {  # run NAME EXP SEED [overrides]: train, then evaluate the final checkpoint
   local name=$1 exp=$2 seed=$3
   shift 3
-  echo "=== $name: +exp=$exp train.seed=$seed train.steps=$STEPS"
+  echo "=== $name: +exp=$exp train.seed=$seed train.steps=$STEPS $*"
   $LAUNCH train.py "+exp=$exp" "train.seed=$seed" "train.steps=$STEPS" "run_name=parity-$name" \
     "hydra.run.dir=$OUT/$name" "$@"
   $PY eval.py "checkpoint=$OUT/$name" "batches=$EVAL_BATCHES" progress_bar=false
 }
 
+variant() {  # the run-name suffix and the override of an ABLATIONS entry
+  if [[ $1 == *=* ]]; then local s=${1//=/-}; echo "${s//[^A-Za-z0-9_.-]/_} $1"; else echo "${1//,/+} fp8.ablate=[$1]"; fi
+}
+
 pairs=()
 noise=()
 for seed in $SEEDS; do
-  run "s${seed}_bf16" parity_bf16 "$seed" "$@"
-  run "s${seed}_fp8" parity_fp8 "$seed" "$@"
+  run "s${seed}_bf16" parity_bf16 "$seed" "train.deterministic=$DETERMINISTIC" "$@"
+  run "s${seed}_fp8" parity_fp8 "$seed" "train.deterministic=$DETERMINISTIC" "$@"
   pairs+=("$OUT/s${seed}_fp8:$OUT/s${seed}_bf16")
+  for entry in $ABLATIONS; do
+    read -r suffix override <<< "$(variant "$entry")"
+    run "s${seed}_fp8-no-${suffix}" parity_fp8 "$seed" "train.deterministic=$DETERMINISTIC" "$override" "$@"
+  done
 done
 for seed in $NOISE_SEEDS; do
-  run "s${seed}_bf16_rerun" parity_bf16 "$seed" "$@"
+  run "s${seed}_bf16_rerun" parity_bf16 "$seed" "train.deterministic=false" "$@"
   noise+=("$OUT/s${seed}_bf16_rerun:$OUT/s${seed}_bf16")
 done
 $PY eval.py compare --pairs "${pairs[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report"
+for entry in $ABLATIONS; do
+  read -r suffix _ <<< "$(variant "$entry")"
+  ablated=()
+  for seed in $SEEDS; do ablated+=("$OUT/s${seed}_fp8-no-${suffix}:$OUT/s${seed}_bf16"); done
+  $PY eval.py compare --pairs "${ablated[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report_no-${suffix}"
+done
+if [ -n "$ABLATIONS" ]; then $PY scripts/ablation_table.py "$OUT" | tee "$OUT/ablation.md"; fi

@@ -5,7 +5,6 @@ Trains a small MLP with FP8AdamW as DeepSpeed's client optimizer and writes rank
 - `train`: `steps` steps; saves the full parameters.
 - `resume`: `steps // 2` steps, DeepSpeed save_checkpoint, a fresh engine loads it, the rest of the steps;
   saves the full parameters (must equal `train`).
-- `elastic`: like `train` with zero_optimization.elastic_checkpoint=true; saves the error message.
 
 Each rank takes its rows of one global batch per step, so N ranks see what one rank sees with the full batch.
 """
@@ -36,7 +35,7 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
 
 
-def make_engine(stage: int, elastic: bool):
+def make_engine(stage: int):
     import deepspeed
 
     from fp8.adam import FP8AdamW
@@ -53,7 +52,7 @@ def make_engine(stage: int, elastic: bool):
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, "elastic_checkpoint": elastic},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
@@ -73,7 +72,7 @@ def train(engine, start: int, stop: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["train", "resume", "elastic"], required=True)
+    ap.add_argument("--mode", choices=["train", "resume"], required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--stage", type=int, default=2)
     ap.add_argument("--ckpt", default="")
@@ -84,27 +83,18 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ.get("RANK", "0"))
-    result: dict = {}
-    if args.mode == "elastic":
-        engine = make_engine(args.stage, elastic=True)
-        try:
-            train(engine, 0, args.steps)
-            result["error"] = ""
-        except RuntimeError as e:
-            result["error"] = str(e)
+    engine = make_engine(args.stage)
+    if args.mode == "train":
+        train(engine, 0, args.steps)
     else:
-        engine = make_engine(args.stage, elastic=False)
-        if args.mode == "train":
-            train(engine, 0, args.steps)
-        else:
-            half = args.steps // 2
-            train(engine, 0, half)
-            engine.save_checkpoint(args.ckpt, tag="half")
-            del engine
-            engine = make_engine(args.stage, elastic=False)
-            engine.load_checkpoint(args.ckpt, tag="half")
-            train(engine, half, args.steps)
-        result["params"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        half = args.steps // 2
+        train(engine, 0, half)
+        engine.save_checkpoint(args.ckpt, tag="half")
+        del engine
+        engine = make_engine(args.stage)
+        engine.load_checkpoint(args.ckpt, tag="half")
+        train(engine, half, args.steps)
+    result = {"params": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
     if rank == 0:
         torch.save(result, args.out)
     torch.distributed.barrier()

@@ -1,0 +1,152 @@
+"""The FP8 ablation instrument (`fp8.ablate`): each switch keeps exactly its component in high precision, the
+rest of the recipe bit for bit as without it; the config reaches the layers, the experts and FP8AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8.linear import ABLATION_COMPONENTS, FP8Linear
+from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
+from tests.test_config import compose_cfg
+from tests.test_fp8_linear import run
+
+
+def r1(t: torch.Tensor) -> torch.Tensor:
+    """The values an FP8 GEMM sees for a 1x128-quantized operand."""
+    return dequantize_1x128(*quantize_1x128(t))
+
+
+def expected(component: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, layer: FP8Linear):
+    """(y, dx, dW) with `component` exact and everything else rounded like the recipe, composed by hand."""
+    wq, ws = layer.quantized_weight()
+    w_r = dequantize_128x128(wq, ws)
+    wt_r = dequantize_128x128(*fp8_transpose_128x128(wq, ws))  # dgrad's on-demand transpose
+    xs = x if component == "fwd_x" else r1(x)
+    y = xs @ (w if component == "fwd_w" else w_r).t()
+    dys = dy if component == "dgrad_dy" else r1(dy)
+    dx = dys @ w if component == "dgrad_w" else dys @ wt_r.t()
+    dyt = dy.t() if component == "wgrad_dy" else r1(dy.t())
+    xt = x.t() if component == "wgrad_x" else r1(x.t())
+    return y, dx, dyt @ xt.t()
+
+
+CHANGES = {"fwd_x": 0, "fwd_w": 0, "dgrad_dy": 1, "dgrad_w": 1, "wgrad_dy": 2, "wgrad_x": 2}
+
+
+@pytest.mark.parametrize("component", list(CHANGES))
+def test_each_switch_changes_exactly_its_component(component):
+    torch.manual_seed(0)
+    layer = FP8Linear(384, 256)
+    x, dy = torch.randn(160, 384) * 3, torch.randn(160, 256)
+    recipe = run(layer, x, dy)
+    layer.set_ablation({component})
+    ablated = run(layer, x, dy)
+    want = expected(component, x, layer.weight.detach(), dy, layer)
+    for i, (a, r, e) in enumerate(zip(ablated, recipe, want)):
+        assert torch.equal(a, e), (component, i)  # the hand composition, op for op
+        if i == CHANGES[component]:
+            assert not torch.equal(a, r)  # that output moved...
+        else:
+            assert torch.equal(a, r), (component, i)  # ...and nothing else did
+    layer.set_ablation(())
+    assert all(torch.equal(a, b) for a, b in zip(run(layer, x, dy), recipe))  # switched back: the recipe
+
+
+def test_no_switch_is_the_recipe_and_wgrad_rounding_is_autograds():
+    """With no component ablated the ablation path computes what the FP8 path computes; `wgrad_bf16` hands out
+    the fp32 dW, which autograd rounds to a bf16 weight's dtype at once (round to nearest even, as the
+    epilogue does): bit-identical gradients, so that suspect is ruled out by construction."""
+    torch.manual_seed(1)
+    x, dy = torch.randn(96, 256), torch.randn(96, 128)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = FP8Linear(256, 128, dtype=dtype)
+        recipe = run(layer, x.to(dtype), dy.to(dtype))
+        layer.set_ablation({"wgrad_bf16"})
+        ablated = run(layer, x.to(dtype), dy.to(dtype))
+        assert ablated[2].dtype == dtype
+        assert all(torch.equal(a, b) for a, b in zip(ablated, recipe)), dtype
+
+
+def test_bad_components_are_named():
+    with pytest.raises(ValueError, match=r"unknown FP8Linear ablation component\(s\) \['fwd_y'\]"):
+        FP8Linear(128, 128).set_ablation({"fwd_y"})
+    with pytest.raises(ValueError, match="recipe='blockwise'"):
+        FP8Linear(128, 128, recipe="tensorwise").set_ablation({"fwd_x"})
+    assert set(ABLATION_COMPONENTS) == {*CHANGES, "wgrad_bf16"}
+
+
+def test_config_reaches_layers_experts_and_optimizer():
+    from fp8.adam import FP8AdamW
+    from ling.engine import build_engine, model_config_from
+    from ling.launch import init_distributed
+    from model.moe import GroupedExperts
+
+    init_distributed()  # a one-process group, as the trainer makes
+
+    cfg = compose_cfg(["+exp=tiny_cpu", "data=synthetic", "precision=fp8", "optim=fp8_adamw", "model.num_layers=2",
+                       "fp8.ablate=[fwd_x,wgrad_dy,experts,adam_v]"])
+    engine, _ = build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
+    linears = [m for m in engine.module.modules() if isinstance(m, FP8Linear)]
+    assert linears and all(m.ablate == {"fwd_x", "wgrad_dy"} for m in linears)
+    assert all(not m.fp8 for m in engine.module.modules() if isinstance(m, GroupedExperts))
+    opt = engine.optimizer
+    opt = opt if isinstance(opt, FP8AdamW) else opt.optimizer  # DeepSpeed's wrapper holds ours
+    assert opt.fp32_moments == {"exp_avg_sq"}
+    for bad, match in ((["fp8.ablate=[adam_q]"], "unknown component"),
+                       (["optim=adamw", "fp8.ablate=[adam_m]"], "need optim=fp8_adamw"),
+                       (["precision=bf16", "fp8.ablate=[fwd_x]"], "needs precision=fp8")):
+        cfg = compose_cfg(["+exp=tiny_cpu", "data=synthetic", "precision=fp8", "optim=fp8_adamw", *bad])
+        with pytest.raises(ValueError, match=match):
+            build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# scripts/ablate.sh (→ parity.sh) and scripts/ablation_table.py
+# ---------------------------------------------------------------------------------------------------
+def test_ablate_script_runs_each_variant_per_seed_and_compares_it(tmp_path):
+    """A dry run (PYTHON=echo prints every command instead of running it)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "NOISE_SEEDS": "1", "STEPS": "7",
+           "OUT": str(tmp_path), "ABLATIONS": "fwd_x adam_v,fwd_w optim.rounding=nearest"}
+    out = subprocess.run(["bash", str(root / "scripts" / "ablate.sh"), "train.device=cuda"], env=env, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    trains = [line for line in out.splitlines() if line.startswith("train.py")]
+    assert len(trains) == 2 * 5 + 1  # per seed: bf16, fp8, 3 variants; one noise rerun
+    assert ("train.py +exp=parity_fp8 train.seed=2 train.steps=7 run_name=parity-s2_fp8-no-adam_v+fwd_w "
+            f"hydra.run.dir={tmp_path}/s2_fp8-no-adam_v+fwd_w train.deterministic=true fp8.ablate=[adam_v,fwd_w] "
+            "train.device=cuda") in trains
+    assert any("s1_fp8-no-optim.rounding-nearest" in t and t.endswith("optim.rounding=nearest train.device=cuda")
+               for t in trains)
+    assert any("s1_bf16_rerun" in t and "train.deterministic=false" in t for t in trains)
+    compares = [line for line in out.splitlines() if line.startswith("eval.py compare")]
+    assert (f"eval.py compare --pairs {tmp_path}/s1_fp8-no-fwd_x:{tmp_path}/s1_bf16 "
+            f"{tmp_path}/s2_fp8-no-fwd_x:{tmp_path}/s2_bf16 --noise {tmp_path}/s1_bf16_rerun:{tmp_path}/s1_bf16 "
+            f"--out {tmp_path}/report_no-fwd_x") in compares
+    assert len(compares) == 4 and out.rstrip().endswith(f"scripts/ablation_table.py {tmp_path}")
+
+
+def test_ablation_table_from_reports_with_known_offsets(tmp_path):
+    """Synthetic runs whose losses are the baseline's times 1.002 (fp8) and 1.001 (fwd_x kept exact)."""
+    from ling.compare import compare
+    from scripts.ablation_table import table
+    from tests.test_compare import _baseline, _config, write_run
+
+    pairs = {"fp8": [], "no-fwd_x": []}
+    for seed in (1, 2, 3):
+        base = _baseline(seed)
+        bf16 = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
+        for name, factor in (("fp8", 1.002 + 1e-4 * seed), ("no-fwd_x", 1.001 + 1e-4 * seed)):
+            fp8 = write_run(tmp_path, f"s{seed}_{name}", base * factor,
+                            _config(**{"train.seed": seed, "precision.name": "fp8", "fp8.ablate": [name]}))
+            pairs[name].append((fp8, bf16))
+    compare(pairs["fp8"], out_dir=tmp_path / "report")
+    compare(pairs["no-fwd_x"], out_dir=tmp_path / "report_no-fwd_x")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table(tmp_path).splitlines() if line[:2] == "| "}
+    assert rows["fp8"][1:3] == ["3", "+0.220 % ± 0.010"]
+    assert rows["no-fwd_x"][2] == "+0.120 % ± 0.010" and rows["no-fwd_x"][4] == "-0.100 %"
+    # 95 % t-interval of a mean of 3 values with std 0.01 %: ± t(0.975, 2) · 0.01 / sqrt(3) = ± 0.0248 %
+    assert rows["fp8"][3] == "[+0.195, +0.245] %"
