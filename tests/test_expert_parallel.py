@@ -83,9 +83,11 @@ def check_same_run(got: list[dict], want: list[dict], precision: str) -> None:
     norms over 6 steps. FP8: the wgrad operands' 1x128 token blocks are cut per segment, so the experts'
     gradients round differently whenever a segment's tokens change (as between 1 and 2 data-parallel ranks at
     ep_size=1): measured 4e-4 on losses and 1.5 % on grad norms by step 6 (the same spread as 1 rank against
-    2 at ep_size 1), 3e-6 on step 1's grad norm."""
+    2 at ep_size 1), 3e-6 on step 1's grad norm. A run resumed at another ep_size starts from the other
+    layout's step-3 state, and FP8AdamW's stochastic rounding draws its noise from the index within the (now
+    re-cut) flat partition: 3.7e-4 on the first resumed step's grad norm; bound 1e-3."""
     assert [m["step"] for m in got] == [m["step"] for m in want]
-    loss_rel, norm_rel, first_rel = (1e-5, 1e-5, 1e-6) if precision == "fp32" else (2e-3, 5e-2, 1e-4)
+    loss_rel, norm_rel, first_rel = (1e-5, 1e-5, 1e-6) if precision == "fp32" else (2e-3, 5e-2, 1e-3)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a["lr"] == b["lr"], (a, b)
         assert close(a["loss"], b["loss"], first_rel if i == 0 else loss_rel), (a, b)
