@@ -33,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_fp8_linear import gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
 from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
@@ -48,19 +51,6 @@ def bench(fn, warmup: int = 10, rep: int = 50) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def gpu_busy_ms(fn, iters: int = 5) -> float:
-    """Summed CUDA kernel time of one call (torch profiler): the time the step takes when the host keeps ahead."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / iters
 
 
 def fixed_ms(fn, iters: int = 20, warmup: int = 5) -> float:
