@@ -276,6 +276,21 @@ def _plt():
     return plt
 
 
+def _label(ax, ylabel: str, title: str, legend_size: int = 8) -> None:
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(plt, fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key: str, out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -289,15 +304,8 @@ def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key:
             color = "0.5" if i >= len(pairs) else f"C{i % 10}"
             ax.plot(s, smooth(v, max(1, len(v) // 50)), style, color=color, lw=1.2,
                     label=f"{run.name} ({run.precision or '?'})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"{key} (moving average)")
-    ax.set_title(f"training {key}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    _label(ax, f"{key} (moving average)", f"training {key}")
+    return _save(plt, fig, out)
 
 
 def plot_relative_difference(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]],
@@ -317,15 +325,8 @@ def plot_relative_difference(pairs: list[tuple[Run, Run]], noise: list[tuple[Run
     ax.axhline(0, color="k", lw=0.8)
     for y in (100 * TARGET_REL_DIFF, -100 * TARGET_REL_DIFF):
         ax.axhline(y, color="r", lw=0.6, ls=":")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"relative {key} difference (%)")
-    ax.set_title("(A − B) / B per step (faint) and its moving average; dotted: ±0.1 %")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    _label(ax, f"relative {key} difference (%)", "(A − B) / B per step (faint) and its moving average; dotted: ±0.1 %")
+    return _save(plt, fig, out)
 
 
 def health_series(run: Run, kind: str, stat: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -360,15 +361,8 @@ def plot_fp8_health(runs: list[Run], out: Path) -> Path | None:
         ax.plot(s, 100 * v, color=f"C{HEALTH_KINDS.index(kind)}", ls=styles[run_names.index(run.name) % 4],
                 lw=1.2, label=f"{kind}" + (f" ({run.name})" if len(run_names) > 1 else ""))
     for ax, stat in zip(axes, HEALTH_STATS):
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"{stat} (%)")
-        ax.set_title(f"FP8 {stat}, mean over layers")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+        _label(ax, f"{stat} (%)", f"FP8 {stat}, mean over layers", legend_size=7)
+    return _save(plt, fig, out)
 
 
 # ------------------------------------------------------------------------------------------------ report
