@@ -16,16 +16,18 @@ the lent machines. Prints a Markdown table last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_train import summarize_run  # noqa: E402
+
 VARIANTS = {"bf16": ["precision=bf16", "optim=adamw"], "fp8": ["precision=fp8", "optim=fp8_adamw"]}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -53,12 +55,8 @@ def run(model: str, gpus: int, ep: int, variant: str, args) -> dict:
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
         return {**row, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = steps[args.warmup:] or steps
-    med = lambda key: statistics.median(s[key] for s in timed if s.get(key) is not None)  # noqa: E731
-    return {**row, "tokens_per_s_gpu": med("tokens_per_s") / gpus, "tflops": med("tflops_per_gpu"),
-            "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
-            "peak_mem_gib": max(s["peak_mem_gib"] for s in steps)}  # fmt: skip
+    summary = summarize_run(run_dir, args.warmup)
+    return {**row, **summary, "tokens_per_s_gpu": summary["tokens_per_s"] / gpus}
 
 
 def gpu_counts(spec: str | None, device: str) -> list[int]:

@@ -40,11 +40,17 @@ def run_variant(name: str, args) -> dict:
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
         return {"variant": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[args.warmup:] or rows
+    return {"variant": name, **summarize_run(out_dir, args.warmup)}
+
+
+def summarize_run(run_dir: Path, warmup: int) -> dict:
+    """A train.py run's metrics.jsonl → medians over the steps after `warmup` (tokens/s global, TFLOPS and MFU
+    per GPU), the peak memory over all steps, the first and last loss."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[warmup:] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
-    return {"variant": name, "tokens_per_s": med("tokens_per_s"), "tflops": med("tflops_per_gpu"),
-            "mfu": med("mfu") if "mfu" in timed[0] else float("nan"),
+    return {"tokens_per_s": med("tokens_per_s"), "tflops": med("tflops_per_gpu"),
+            "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
