@@ -327,12 +327,10 @@ def sweep(tokens: int, experts: int) -> list[dict]:
     for (bm, bn, warps, stages, ppsm), (tma, ws_) in itertools.product(fwd_tiles, [(True, False), (True, True),
                                                                                    (False, False)]):  # fmt: skip
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, ws_, ppsm)
-        for kind in ("fprop", "fprop_short_k"):
-            G.set_grouped_config(kind, cfg)
+        G.set_grouped_config("fprop", cfg)
         for n, k, xq, xs, wq, ws in fprop_cases:
             timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
-    for kind in ("fprop", "fprop_short_k"):
-        G.set_grouped_config(kind, None)
+    G.set_grouped_config("fprop", None)
     wgrad_cases = []
     for n, k in ((2 * INTER, H), (H, INTER)):
         wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),

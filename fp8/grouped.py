@@ -33,7 +33,15 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
-from fp8.quant import _launch_rows, dequantize_1x128, fp8_transpose_128x128, quantize_1x128_ref
+from fp8.quant import (
+    QUANT_OPTIONS,
+    _launch_rows,
+    dequantize_1x128,
+    dequantize_128x128,
+    fp8_transpose_128x128,
+    quantize_1x128_ref,
+    quantize_128x128,
+)
 
 if HAS_TRITON:
     import triton
@@ -57,6 +65,9 @@ __all__ = [
     "gather_rows",
     "sum_rows",
     "fp8_grouped_experts",
+    "quantize_expert_weights",
+    "swiglu_quantize_tokens",
+    "set_grouped_config",
 ]
 
 
@@ -163,8 +174,6 @@ def grouped_gemm_ref(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:  # fmt: skip
     """out[seg g] = deq(a[seg g]) · deq(b[g])ᵀ in fp32; unused rows are zero. a [M, K], b [G, N, K]."""
-    from fp8.quant import dequantize_128x128
-
     out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     for g, (lo, hi) in enumerate(rows.host_segments()):
         if hi > lo:
@@ -521,36 +530,36 @@ class GroupedGemmConfig:
     programs_per_sm: int = 1
 
 
-# Defaults per GEMM kind ("fprop" covers forward and dgrad, "fprop_short_k" those with K <= 1024; both may
-# differ). H200 sweep (bench/bench_moe.py --sweep, 16384 tokens, 256 experts, top-8): 64x128 tiles, 4 warps,
-# 3 stages, TMA loads and 3 programs per SM won on all three forward/dgrad shapes (825, 517 and 710 TFLOPS for
-# K = 2048, 512, 1024; 128x128 with 8 warps: 661, 390, 550): three programs per SM overlap one program's
-# epilogue with the others' K loops, which are short at these shapes. Wgrad: 64x128, 4 warps, 3 stages, 2 per SM
-# (333 and 318 TFLOPS; 128x128 with 8 warps: 293).
+# Defaults per GEMM kind ("fprop" covers forward and dgrad). H200 sweep (bench/bench_moe.py --sweep, 16384 tokens,
+# 256 experts, top-8): 64x128 tiles, 4 warps, 3 stages, TMA loads and 3 programs per SM won on all three
+# forward/dgrad shapes (825, 517 and 710 TFLOPS for K = 2048, 512, 1024; 128x128 with 8 warps: 661, 390, 550):
+# three programs per SM overlap one program's epilogue with the others' K loops, which are short at these
+# shapes. Wgrad: 64x128, 4 warps, 3 stages, 2 per SM (333 and 318 TFLOPS; 128x128 with 8 warps: 293).
 GROUPED_CONFIGS: dict[str, GroupedGemmConfig] = {
     "fprop": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
-    "fprop_short_k": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
     "wgrad": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=False, programs_per_sm=2),
 }
-_INTERPRETER_CONFIG = GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False)
+# small tiles keep Triton's CPU interpreter fast
+_INTERPRETER_CONFIGS: dict[str, GroupedGemmConfig] = {
+    "fprop": GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
+    "wgrad": GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
+}
 # Launch options of the memory-bound grouped kernels (rows per program).
 GROUPED_OPTIONS: dict[str, int] = {"swiglu_block_m": 8, "swiglu_bwd_block_m": 8}  # H200 sweep: 0.21 / 0.23 ms at
 # 131k rows x 1024 (32 rows: 0.28 / 0.33 ms)
 _OVERRIDE: dict[str, GroupedGemmConfig | None] = {k: None for k in GROUPED_CONFIGS}
 
 
-def _config(kind: str, k: int = 0) -> GroupedGemmConfig:
-    if kind == "fprop" and k <= 1024:
-        kind = "fprop_short_k"
+def _config(kind: str) -> GroupedGemmConfig:
     if _OVERRIDE[kind] is not None:
         return _OVERRIDE[kind]  # type: ignore[return-value]
-    if os.environ.get("TRITON_INTERPRET") == "1":  # small tiles keep the CPU interpreter fast
-        return _INTERPRETER_CONFIG if kind == "wgrad" else GroupedGemmConfig(32, 128, 4, 2, tma=False)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _INTERPRETER_CONFIGS[kind]
     return GROUPED_CONFIGS[kind]
 
 
 def set_grouped_config(kind: str, cfg: GroupedGemmConfig | None) -> None:
-    """Force the tile configuration of `kind` in {"fprop", "fprop_short_k", "wgrad"}; None restores the default."""
+    """Force the tile configuration of `kind` in {"fprop", "wgrad"}; None restores the default."""
     if kind not in _OVERRIDE:
         raise ValueError(f"kind must be one of {sorted(_OVERRIDE)}, got {kind!r}")
     _OVERRIDE[kind] = cfg
@@ -582,7 +591,7 @@ def grouped_gemm(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config("fprop", k)
+    cfg = _config("fprop")
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0 or n == 0 or k == 0:
         return c.zero_()
@@ -670,8 +679,6 @@ def quantize_tokens_grouped(
 
 
 def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prologue: int, pow2: bool):
-    from fp8.quant import QUANT_OPTIONS
-
     m = rows.num_rows
     qt = torch.empty(k, m, device=x.device, dtype=E4M3)
     nb = rows.max_blocks()
@@ -881,13 +888,9 @@ def fp8_grouped_experts(
 
 def quantize_expert_weights(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked expert weights [E, N, K] (N, K multiples of 128) → E4M3 [E, N, K], scales [E, N/128, K/128]."""
-    from fp8.quant import quantize_128x128
-
     if w.dim() != 3 or w.shape[1] % BLOCK or w.shape[2] % BLOCK:
         raise ValueError(f"expert weights must be [E, N, K] with N and K multiples of 128, got {tuple(w.shape)}")
     e, n, k = w.shape
     q, s = quantize_128x128(w.reshape(e * n, k), pow2_scales)  # blocks never straddle two experts
     return q.view(e, n, k), s.view(e, n // BLOCK, cdiv(k, BLOCK))
 
-
-__all__ += ["quantize_expert_weights", "swiglu_quantize_tokens", "set_grouped_config"]
