@@ -3,6 +3,7 @@
     python eval.py checkpoint=runs/NAME [precision=bf16] [data=bundled] [batches=N] [key=value ...]   (Hydra)
     python eval.py compare RUN_FP8 RUN_BF16 [--out DIR]                    one FP8 run against its BF16 twin
     python eval.py compare --pairs F1:B1 F2:B2 --noise B1:B1b [--out DIR]  several seeds + the noise floor
+    python eval.py compare --identical RUN_A RUN_B                         a deterministic rerun: bit-identical?
 """
 
 import sys

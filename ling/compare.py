@@ -18,6 +18,7 @@ import argparse
 import glob
 import json
 import math
+import re
 import time
 import warnings
 from collections.abc import Sequence
@@ -488,6 +489,49 @@ def _expand_pairs(specs: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
+TIMING_KEYS = re.compile(r"time|per_s|tflops|mfu|mem")  # metrics that differ between identical runs
+
+
+def identical_runs(a: Run, b: Run) -> list[str]:
+    """The differences between two runs that should be bit-identical (a deterministic rerun): every logged
+    metric except timing and memory, step by step, compared exactly, and the held-out loss. [] = identical."""
+    problems = []
+    if not np.array_equal(a.steps, b.steps):
+        problems.append(f"logged steps differ: {len(a.steps)} vs {len(b.steps)}")
+        return problems
+    for key in sorted(set(a.metrics) | set(b.metrics)):
+        if TIMING_KEYS.search(key):
+            continue
+        va, vb = a.metrics.get(key), b.metrics.get(key)
+        if va is None or vb is None:
+            problems.append(f"{key}: logged by only one run")
+            continue
+        differ = ~((va == vb) | (np.isnan(va) & np.isnan(vb)))
+        if differ.any():
+            first = int(np.argmax(differ))
+            problems.append(f"{key}: {int(differ.sum())} of {len(va)} steps differ, first at step "
+                            f"{int(a.steps[first])}: {va[first]!r} vs {vb[first]!r}")
+    ha = (a.held_out or {}).get("metrics", {}).get("loss")
+    hb = (b.held_out or {}).get("metrics", {}).get("loss")
+    if ha != hb:
+        problems.append(f"held-out loss: {ha!r} vs {hb!r}")
+    return problems
+
+
+def check_identical(path_a: str, path_b: str) -> int:
+    """CLI of `eval.py compare --identical A B`: prints the verdict; 0 if bit-identical, 1 if not."""
+    a, b = load_run(path_a), load_run(path_b)
+    problems = identical_runs(a, b)
+    if problems:
+        print(f"NOT bit-identical: {path_a} vs {path_b}")
+        for line in problems:
+            print(f"  {line}")
+        return 1
+    print(f"bit-identical: {path_a} vs {path_b} ({len(a.steps)} logged steps, every non-timing metric and the "
+          f"held-out loss equal)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> Comparison:
     parser = argparse.ArgumentParser(prog="python eval.py compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", help="RUN_A RUN_B: the candidate (FP8) and the baseline (BF16) run dir")
@@ -496,7 +540,13 @@ def main(argv: list[str] | None = None) -> Comparison:
     parser.add_argument("--out", default=None, help="output folder (default runs/compare/<A>_vs_<B>)")
     parser.add_argument("--key", default="loss", help="metric to compare (default loss)")
     parser.add_argument("--window", type=float, default=0.2, help="fraction of the last steps summarized")
+    parser.add_argument("--identical", action="store_true",
+                        help="RUN_A RUN_B must be bit-identical (a deterministic rerun); exit 1 naming what differs")
     args = parser.parse_args(argv)
+    if args.identical:
+        if len(args.runs) != 2:
+            parser.error("--identical takes exactly two runs: RUN_A RUN_B")
+        raise SystemExit(check_identical(*args.runs))
     if args.runs and len(args.runs) != 2:
         parser.error("give exactly two runs (RUN_A RUN_B), or --pairs")
     pairs = ([tuple(args.runs)] if args.runs else []) + _expand_pairs(args.pairs)

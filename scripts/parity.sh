@@ -12,6 +12,12 @@
 #   SEEDS="1 2" STEPS=1000 NOISE_SEEDS=1 bash scripts/parity.sh   # a budgeted version
 #   LAUNCH="torchrun --nproc_per_node 8" bash scripts/parity.sh train.micro_batch_size=1   # several GPUs
 #   ABLATIONS="fwd_x adam_v fwd_x,fwd_w optim.rounding=nearest" bash scripts/parity.sh    # see scripts/ablate.sh
+#   JOBS=6 SEEDS="1 2 3" bash scripts/parity.sh               # 6 runs at a time on one GPU (the parity model
+#                                                             # leaves most of an H200 idle; outputs: $OUT/<run>.log)
+#
+# JOBS (default 1) runs that many trainings concurrently on the same device(s); deterministic runs stay
+# bit-identical under concurrency (no kernel depends on timing). DET_RERUN_SEEDS (default none) adds, per seed, a
+# second deterministic BF16 run that must equal the first bit for bit: the check is printed and fails the script.
 #
 # An ABLATIONS entry is a comma-separated list of fp8.ablate components (README "FP8 ablation") or, when it holds
 # '=', one Hydra override. Extra arguments are Hydra overrides given to every training run. Rerunning resumes or
@@ -27,14 +33,24 @@ OUT=${OUT:-runs/parity}
 PY=${PYTHON:-python}
 LAUNCH=${LAUNCH:-$PY}
 EVAL_BATCHES=${EVAL_BATCHES:-null}   # null = the whole held-out split once
+JOBS=${JOBS:-1}
+DET_RERUN_SEEDS=${DET_RERUN_SEEDS-""}
+mkdir -p "$OUT"
 
-run() {  # run NAME EXP SEED [overrides]: train, then evaluate the final checkpoint
+train_and_eval() {  # NAME EXP SEED [overrides]: train, then evaluate the final checkpoint
   local name=$1 exp=$2 seed=$3
   shift 3
-  echo "=== $name: +exp=$exp train.seed=$seed train.steps=$STEPS $*"
   $LAUNCH train.py "+exp=$exp" "train.seed=$seed" "train.steps=$STEPS" "run_name=parity-$name" \
     "hydra.run.dir=$OUT/$name" "$@"
   $PY eval.py "checkpoint=$OUT/$name" "batches=$EVAL_BATCHES" progress_bar=false
+}
+
+failed=0
+run() {  # run NAME EXP SEED [overrides]: in the foreground (JOBS=1) or as one of JOBS background jobs
+  echo "=== $1: +exp=$2 train.seed=$3 train.steps=$STEPS ${*:4}"
+  if [ "$JOBS" -le 1 ]; then train_and_eval "$@"; return; fi
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || failed=1; done
+  train_and_eval "$@" > "$OUT/$1.log" 2>&1 &
 }
 
 variant() {  # the run-name suffix and the override of an ABLATIONS entry
@@ -55,6 +71,14 @@ done
 for seed in $NOISE_SEEDS; do
   run "s${seed}_bf16_rerun" parity_bf16 "$seed" "train.deterministic=false" "$@"
   noise+=("$OUT/s${seed}_bf16_rerun:$OUT/s${seed}_bf16")
+done
+for seed in $DET_RERUN_SEEDS; do
+  run "s${seed}_bf16_detrerun" parity_bf16 "$seed" "train.deterministic=true" "$@"
+done
+while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || failed=1; done
+if [ "$failed" != 0 ]; then echo "a run failed: see $OUT/*.log" >&2; exit 1; fi
+for seed in $DET_RERUN_SEEDS; do
+  $PY eval.py compare --identical "$OUT/s${seed}_bf16" "$OUT/s${seed}_bf16_detrerun"
 done
 $PY eval.py compare --pairs "${pairs[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report"
 for entry in $ABLATIONS; do

@@ -194,3 +194,30 @@ def test_health_series_falls_back_to_the_layer_mean(tmp_path):
     assert v[1] == pytest.approx(0.02 + 1e-5 * 10)
     assert compare.health_series(run, "act", "nope") is None
     assert np.isfinite(v).all()
+
+
+def test_identical_check_passes_a_copy_and_names_the_first_differing_step(tmp_path, capsys):
+    """`eval.py compare --identical`: exact equality of every non-timing metric and the held-out loss."""
+    loss = _baseline(3)
+    a = write_run(tmp_path, "a", loss, _config(), held_out=3.25)
+    b = write_run(tmp_path, "b", loss.copy(), _config(), held_out=3.25)
+    # timing differs between identical runs and must not count
+    with open(b / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    for rec in recs:
+        rec["step_time_s"], rec["tokens_per_s"] = 0.1 * rec["step"], 7.0
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(SystemExit) as done:
+        compare.main(["--identical", str(a), str(b)])
+    assert done.value.code == 0 and "bit-identical" in capsys.readouterr().out
+
+    bumped = loss.copy()
+    bumped[41] = np.nextafter(bumped[41], np.inf)  # one ULP at step 42
+    c = write_run(tmp_path, "c", bumped, _config(), held_out=3.25)
+    problems = compare.identical_runs(compare.load_run(a), compare.load_run(c))
+    assert problems == [f"loss: 1 of {STEPS} steps differ, first at step 42: {loss[41]!r} vs {bumped[41]!r}"]
+    d = write_run(tmp_path, "d", loss, _config(), held_out=3.2500001)
+    assert compare.identical_runs(compare.load_run(a), compare.load_run(d)) == ["held-out loss: 3.25 vs 3.2500001"]
+    with pytest.raises(SystemExit) as done:
+        compare.main(["--identical", str(a), str(c)])
+    assert done.value.code == 1 and "NOT bit-identical" in capsys.readouterr().out
