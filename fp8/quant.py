@@ -50,7 +50,11 @@ def scale_from_amax(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tens
 
     NaN amax stays NaN (torch.clamp propagates it); Inf stays Inf.
     """
-    scale = torch.clamp(amax.float(), min=AMAX_FLOOR) / E4M3_MAX
+    amax = torch.clamp(amax.float(), min=AMAX_FLOOR)
+    # divisor as a tensor on amax's device: for a Python-scalar divisor PyTorch's CUDA kernel multiplies by the
+    # fp32 reciprocal instead (1 ulp off IEEE division for some amax), which made this reference disagree
+    # with the kernels' div_rn on GPU
+    scale = amax / amax.new_full((), E4M3_MAX)
     if pow2_scales:
         bits = scale.view(torch.int32)
         exp_bits = bits & 0x7F800000
