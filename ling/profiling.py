@@ -6,9 +6,9 @@ clipping, the optimizer kernel, the copies back into the bf16 weights; `grad_red
 A kernel (on CUDA; on CPU an op's self time) goes to the part of the innermost range around the op that launched
 it. Backward kernels run inside an autograd node (`autograd::engine::evaluate_function: XBackward0`) on
 autograd's thread: they go to the part of the forward op that created the node (same thread and sequence
-number). Gradient accumulation (`AccumulateGrad` nodes) and DeepSpeed's gradient hooks (ZeRO's bucket copies
-and reductions, which autograd runs outside any node, on its own thread on CUDA) go to `grad_reduce` when they
-run inside `engine.backward()` in time; everything else is "other".
+number; of the ops recording one number, the last). Gradient accumulation (`AccumulateGrad` nodes) and
+DeepSpeed's gradient hooks (ZeRO's bucket copies and reductions, which autograd runs outside any node, on its
+own thread on CUDA) go to `grad_reduce` when they run inside `engine.backward()` in time; the rest is "other".
 
 `StepProfiler` is the trainer's hook (`train.profile_step`): step N runs under torch.profiler and rank 0 writes
 `<run dir>/profile/step{N}.md` and `.json` (and the chrome trace with `train.profile_trace`).
@@ -74,13 +74,15 @@ def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
     and the events outside any range that run on another thread while a `grad_reduce` range is open go to
     the gradient-reduction part."""
     forward_part, reduce_ranges = {}, []
-    for e in events:
+    for e in sorted(events, key=lambda e: e.time_range.start):
         if e.name == GRAD_REDUCE_SCOPE:
             reduce_ranges.append((e.time_range.start, e.time_range.end, e.thread))
         elif e.sequence_nr >= 0 and not e.name.startswith(BACKWARD):
+            # every op records the number the *next* autograd node will get: the node's creator is the last
+            # op that saw it (earlier ones, e.g. integer index ops in `dispatch`, created no node)
             part, node = _scope_of(e)
-            if part is not None and node is None:
-                forward_part.setdefault((e.thread, e.sequence_nr), part)
+            if node is None:  # not an op run by backward itself
+                forward_part[(e.thread, e.sequence_nr)] = part
 
     def in_reduce(e) -> bool:  # outside any range on its thread, inside engine.backward() in time
         return any(s <= e.time_range.start and e.time_range.end <= t and e.thread != th for s, t, th in reduce_ranges)
@@ -96,7 +98,7 @@ def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
         part, node = _scope_of(e)
         if node is not None:
             part = (GRAD_REDUCE if node.name.endswith(ACCUMULATE_GRAD)
-                    else forward_part.get((node.fwd_thread, node.sequence_nr), OTHER))
+                    else forward_part.get((node.fwd_thread, node.sequence_nr)) or OTHER)
         elif part is None:
             part = GRAD_REDUCE if in_reduce(_root(e)) else OTHER
         for name, us in items:

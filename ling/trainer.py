@@ -251,7 +251,7 @@ class Trainer:
             loss = self.guard.loss_for_backward(out.loss, step)  # = out.loss when finite, else NaN
             with scope(GRAD_REDUCE_SCOPE):  # profiler ranges (no-ops unless profiling): DeepSpeed's backward hooks
                 engine.backward(loss)
-            with scope(OPTIMIZER_SCOPE):  # the optimizer step at the accumulation boundary
+            with scope(OPTIMIZER_SCOPE):  # DeepSpeed steps the optimizer at the accumulation boundary
                 engine.step()
             parts = [loss, out.lm_loss, out.mtp_loss if out.mtp_loss is not None else loss * 0, out.z_loss]
             sums[:4] += torch.stack([p.detach().double() for p in parts])

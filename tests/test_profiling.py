@@ -132,16 +132,19 @@ class Event:
 
 
 def test_cuda_kernels_go_to_their_forward_part_grad_reduction_and_other():
-    """Main thread 1: forward in `experts` (seq 7), `grad_reduce` around backward, `optimizer`; autograd's
-    thread 2: the backward node of seq 7, an AccumulateGrad node, a DeepSpeed hook op outside any node (inside
-    the grad_reduce range in time) and one after it (other)."""
+    """Main thread 1: an index op in `dispatch` that created no node, then the op in `experts` that created
+    node 7 (both record the number 7), `grad_reduce` around backward (the node of seq 7, whose own op records 7
+    too), `optimizer`; autograd's thread 2: an AccumulateGrad node, a DeepSpeed hook op outside any node
+    (inside the grad_reduce range in time) and one after it (other)."""
+    dispatch = Event("dispatch", -5, -1)
+    index = Event("aten::index", -4, -3, parent=dispatch, sequence_nr=7, kernels=[Kernel("index", 0.25)])
     experts = Event("experts", 0, 10)
     fwd = Event("aten::mm", 1, 2, parent=experts, sequence_nr=7)
     launch_fwd = Event("cudaLaunchKernel", 1, 2, parent=fwd, kernels=[Kernel("gemm_fwd", 5.0)])
     reduce = Event("grad_reduce", 20, 40)
-    node = Event("autograd::engine::evaluate_function: MmBackward0", 21, 25, thread=2, sequence_nr=7)
-    bwd = Event("aten::mm", 21, 22, thread=2, parent=node,
-                kernels=[Kernel("gemm_dgrad", 6.0), Kernel("gemm_wgrad", 4.0)])
+    node = Event("autograd::engine::evaluate_function: MmBackward0", 21, 25, parent=reduce, sequence_nr=7)
+    inner = Event("MmBackward0", 21, 25, parent=node, sequence_nr=7)
+    bwd = Event("aten::mm", 21, 22, parent=inner, kernels=[Kernel("gemm_dgrad", 6.0), Kernel("gemm_wgrad", 4.0)])
     acc = Event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 26, 27, thread=2)
     acc_op = Event("aten::add_", 26, 27, thread=2, parent=acc, kernels=[Kernel("add", 1.5)])
     hook = Event("aten::copy_", 28, 29, thread=2, kernels=[Kernel("copy_bucket", 2.0)])
@@ -150,18 +153,20 @@ def test_cuda_kernels_go_to_their_forward_part_grad_reduction_and_other():
     step = Event("aten::_fused_adamw_", 51, 52, parent=opt, kernels=[Kernel("adam", 3.0)])
     # device intervals: [0,5] and [3,8] overlap (8 µs busy), [20,26] alone (6 µs)
     gpu = [Event("k", s, e, device="cuda") for s, e in ((0, 5), (3, 8), (20, 26))]
-    events = [experts, fwd, launch_fwd, reduce, node, bwd, acc, acc_op, hook, late, opt, step, *gpu]
+    events = [experts, fwd, launch_fwd, reduce, node, inner, bwd, acc, acc_op, hook, late, opt, step, *gpu,
+              dispatch, index]
 
     parts = attribute(events, cuda=True)
     assert {p: dict(k) for p, k in parts.items()} == {
         "experts": {"gemm_fwd": 5.0, "gemm_dgrad": 6.0, "gemm_wgrad": 4.0},
+        "dispatch": {"index": 0.25},
         GRAD_REDUCE: {"add": 1.5, "copy_bucket": 2.0},
         "other": {"copy_late": 0.5},
         "optimizer (DeepSpeed step)": {"adam": 3.0},
     }
     assert busy_us(events) == 14.0
     summary = summarize(events, steps=2, cuda=True, wall_s=40e-6)
-    assert summary.total_ms == pytest.approx(22.0 / 2 / 1e3) and summary.busy_ms == pytest.approx(7e-3)
+    assert summary.total_ms == pytest.approx(22.25 / 2 / 1e3) and summary.busy_ms == pytest.approx(7e-3)
     data = summary.to_dict()
     assert data["busy_over_wall"] == pytest.approx(14 / 40)
     assert [k["kernel"] for k in data["top_kernels"][:2]] == ["gemm_dgrad", "gemm_fwd"]
