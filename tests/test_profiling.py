@@ -82,6 +82,25 @@ def test_profiled_step_writes_the_grouped_table_and_leaves_the_run_unchanged(tmp
     assert plain[0]["optim_state_gib"] * 2**30 == zero2_state_bytes(params, "adamw")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_profiled_step_on_gpu_groups_kernels_and_measures_busy_time(tmp_path, precision):
+    """On CUDA: kernels (not CPU ops), the backward on autograd's device thread, ZeRO's hooks on it too."""
+    optim = "fp8_adamw" if precision == "fp8" else "adamw"
+    run(tmp_path, "gpu", ["train.steps=2", "train.profile_step=2", "train.device=cuda", f"precision={precision}",
+                          f"optim={optim}", "model.hidden_size=256", "train.profile_trace=true"])
+    folder = tmp_path / "gpu" / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["step2.json", "step2.md", "step2.trace.json"]
+    data = json.loads((folder / "step2.json").read_text())
+    parts = {p["part"]: p["ms"] for p in data["parts"]}
+    assert data["unit"] == "GPU ms" and sum(parts.values()) == pytest.approx(data["total_ms"], rel=1e-9)
+    assert 0 < data["busy_ms"] <= data["wall_ms"] and 0 < data["busy_over_wall"] <= 1
+    for part in ("optimizer (DeepSpeed step)", GRAD_REDUCE, "experts", "dense linears", "LM head + loss",
+                 "attention (QK-norm, RoPE, SDPA/flex)", "router", "dispatch"):
+        assert parts.get(part, 0) > 0, (part, parts)
+    assert "GPU busy" in (folder / "step2.md").read_text()
+
+
 def test_optimizer_state_of_fp8_adamw_is_the_hand_computed_size(tmp_path):
     lines, params = run(tmp_path, "fp8", ["train.steps=1", "optim=fp8_adamw"])
     expected = zero2_state_bytes(params, "fp8_adamw")
