@@ -42,6 +42,7 @@ VARIANTS = {
 }
 NO_MTP = "_nomtp"
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a child is its own 1-rank run
 
 
 def parse_variant(spec: str, default_micro: int) -> tuple[str, bool, int]:
@@ -70,7 +71,8 @@ def run_variant(spec: str, args, profile_step: int | None = None) -> dict:
            "logging.progress_bar=false", f"hydra.run.dir={out_dir}", "optim.warmup_steps=2", *overrides, *profile,
            *shlex.split(args.extra)]
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     row = {"variant": spec, "micro": micro}
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
