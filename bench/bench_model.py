@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ling.metrics import flops_per_token  # noqa: E402
+from ling.profiling import markdown, profiled, summarize  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.layers import attend, document_block_mask, document_causal_mask, reference_attention  # noqa: E402
 from model.ling import LingForCausalLM, count_parameters  # noqa: E402
@@ -52,18 +52,6 @@ VARIANTS = {
     "today": ({"document_attention": "dense"}, {"return_logits": True}, True),
     "causal": ({}, {}, False),
 }
-
-# profiler range (model.layers.scope) → part of the table; the innermost range wins
-PART_OF_SCOPE = {
-    "attention_core": "attention (QK-norm, RoPE, SDPA/flex)",
-    "attention_proj": "dense linears", "mlp": "dense linears", "mtp_proj": "dense linears",
-    "experts": "experts", "dispatch": "dispatch", "router": "router", "shared_expert": "shared expert",
-    "moe": "MoE (router, dispatch, experts)",
-    "lm_head_loss": "LM head + loss",
-    "embedding": "other",
-}
-BACKWARD = "autograd::engine::evaluate_function"
-
 
 class Clock:
     """Wall time of a region, synchronising the device first; peak memory on CUDA."""
@@ -200,81 +188,18 @@ def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> 
 
 
 # ------------------------------------------------------------------ profile
-def _scope_of(event):
-    """(part, None) for the innermost named range around `event`, (None, backward node) if a backward node
-    comes first, (None, None) for neither."""
-    while event is not None:
-        if event.name in PART_OF_SCOPE:
-            return PART_OF_SCOPE[event.name], None
-        if event.name.startswith(BACKWARD):
-            return None, event
-        event = event.cpu_parent
-    return None, None
-
-
-def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
-    """Profiler events → {part: {kernel (CUDA) or op (CPU self time): µs}}. A backward kernel goes to the part
-    of the forward op that created its autograd node (same thread and sequence number)."""
-    forward_part = {}
-    for e in events:
-        if e.sequence_nr >= 0 and not e.name.startswith(BACKWARD):
-            part, node = _scope_of(e)
-            if part is not None and node is None:
-                forward_part.setdefault((e.thread, e.sequence_nr), part)
-    parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for e in events:
-        if cuda:
-            items = [(k.name, k.duration) for k in e.kernels]
-        elif e.device_type == torch.autograd.DeviceType.CPU and e.name not in PART_OF_SCOPE \
-                and not e.name.startswith(BACKWARD):
-            items = [(e.name, e.self_cpu_time_total)]
-        else:
-            items = []
-        if not items:
-            continue
-        part, node = _scope_of(e)
-        if part is None:
-            part = forward_part.get((node.fwd_thread, node.sequence_nr), "other") if node is not None else "other"
-        for name, us in items:
-            parts[part][name] += us
-    return parts
-
-
 def profile_table(config: ModelConfig, args, clock: Clock, dtype: torch.dtype, steps: int = 2) -> list[list[str]]:
-    from torch.profiler import ProfilerActivity, profile
-
     model = build_model(config, clock.device, dtype)
     batch = make_batch(config.vocab_size, args.micro, args.seq_len, args.doc_len, clock.device)
     step = model_step(model, batch, {}, True)
     for _ in range(args.warmup):
         step()
-    clock.sync()
-    cuda = clock.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profiled(clock.device) as result:
         for _ in range(steps):
             step()
-        clock.sync()
-    parts = attribute(prof.events(), cuda)
-    total = sum(sum(k.values()) for k in parts.values())
-    rows = []
-    for part, kernels in sorted(parts.items(), key=lambda kv: -sum(kv[1].values())):
-        us = sum(kernels.values())
-        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
-        names = "; ".join(f"{_short(n)} {t / steps / 1e3:.1f}" for n, t in top)
-        rows.append([part, f"{us / steps / 1e3:.1f}", f"{us / total:.0%}", names])
-    rows.append(["**total**", f"{total / steps / 1e3:.1f}", "100%", ""])
+    rows = summarize(result["profile"].events(), steps, clock.device.type == "cuda").part_rows()
     del model, step
     return rows
-
-
-def _short(name: str, width: int = 48) -> str:
-    return name if len(name) <= width else name[: width - 1] + "…"
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:

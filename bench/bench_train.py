@@ -1,17 +1,27 @@
-"""Side-by-side training throughput and memory: BF16 vs FP8 runs of the same model through train.py.
+"""Training throughput and memory, BF16 vs FP8, through train.py: the headline table.
 
-    python bench/bench_train.py [--model ling_mini_2_0_l6] [--steps 12] [--seq-len 4096] [--micro 1]
-        [--grad-accum 8] [--variants bf16,fp8] [--extra 'key=value ...']
+    python bench/bench_train.py [--model ling_mini_2_0_e64] [--steps 12] [--warmup 4] [--seq-len 4096]
+        [--micro 1] [--grad-accum 8] [--variants bf16,fp8,bf16_nomtp,fp8_nomtp,bf16@2,fp8@4] [--profile fp8]
+        [--extra 'key=value ...'] [--device cuda]
 
-Each variant is a fresh `python train.py` process (so peak memory is per variant) on synthetic data; the
-table reports medians over the steps after the first `--warmup` ones. Prints a Markdown table last.
+A variant is a name from VARIANTS, optionally `_nomtp` (`model.num_mtp_layers=0`) and `@M` (that row runs at
+`train.micro_batch_size=M` instead of `--micro`; grad_accum stays `--grad-accum`, so the tokens per optimizer
+step grow with M). Each is a fresh `python train.py` process (so peak memory is its own) on synthetic data;
+the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU),
+the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
+speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
+memory is an "OOM" row. `--profile VARIANT` runs that variant's step `--warmup`+1 under torch.profiler
+(`train.profile_step`, left out of its medians) and prints its grouped table after the main one. Not imported by
+the library (bench/bench_scaling.py reuses `summarize_run`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -20,68 +30,134 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ling.profiling import markdown  # noqa: E402
+
 VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],
     "fp8": ["precision=fp8", "optim=fp8_adamw"],
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
     "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
 }
+NO_MTP = "_nomtp"
+OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a child is its own 1-rank run
 
 
-def run_variant(name: str, args) -> dict:
-    out_dir = Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
+def parse_variant(spec: str, default_micro: int) -> tuple[str, bool, int]:
+    """'fp8_nomtp@4' → ('fp8', no MTP, micro-batch 4)."""
+    name, at, micro = spec.partition("@")
+    base = name.removesuffix(NO_MTP)
+    if base not in VARIANTS or (at and not (micro.isdigit() and int(micro) > 0)):
+        raise SystemExit(f"--variants: {spec!r} is not NAME[{NO_MTP}][@MICRO] with NAME in {', '.join(VARIANTS)} "
+                         "and MICRO a positive integer")
+    return base, name != base, int(micro) if micro else default_micro
+
+
+def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
+    """(micro-batch, train.py overrides) of one variant."""
+    base, no_mtp, micro = parse_variant(spec, args.micro)
+    return micro, [*VARIANTS[base], f"train.micro_batch_size={micro}", *(["model.num_mtp_layers=0"] if no_mtp else [])]
+
+
+def run_variant(spec: str, args, profile_step: int | None = None) -> dict:
+    micro, overrides = variant_overrides(spec, args)
+    out_dir = Path(tempfile.mkdtemp(prefix=f"bench_{spec.replace('@', '_at')}_"))
+    profile = [f"train.profile_step={profile_step}"] if profile_step else []
     cmd = [sys.executable, "train.py", f"model={args.model}", "data=synthetic", f"data.vocab_size={args.vocab}",
-           f"train.steps={args.steps}", f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro}",
-           f"train.grad_accum={args.grad_accum}",
-           "train.device=cuda", "train.save_final=false", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-           f"hydra.run.dir={out_dir}", "optim.warmup_steps=2", *VARIANTS[name], *shlex.split(args.extra)]
+           f"train.steps={args.steps}", f"train.seq_len={args.seq_len}", f"train.grad_accum={args.grad_accum}",
+           f"train.device={args.device}", "train.save_final=false", "logging.wandb.mode=disabled",
+           "logging.progress_bar=false", f"hydra.run.dir={out_dir}", "optim.warmup_steps=2", *overrides, *profile,
+           *shlex.split(args.extra)]
     print("$", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    row = {"variant": spec, "micro": micro}
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
-        return {"variant": name, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    return {"variant": name, **summarize_run(out_dir, args.warmup)}
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
+        return {**row, "error": "OOM" if OOM.search(proc.stderr) else f"failed: {last[:80]}"}
+    row.update(summarize_run(out_dir, args.warmup, skip_steps=(profile_step,) if profile_step else ()))
+    if profile_step:
+        md = out_dir / "profile" / f"step{profile_step}.md"
+        row["profile"] = (md, md.read_text())
+    return row
 
 
-def summarize_run(run_dir: Path, warmup: int) -> dict:
-    """A train.py run's metrics.jsonl → medians over the steps after `warmup` (tokens/s global, TFLOPS and MFU
-    per GPU), the peak memory over all steps, the first and last loss."""
+def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) -> dict:
+    """A train.py run's metrics.jsonl → medians over the steps after `warmup` but `skip_steps` (tokens/s global,
+    TFLOPS and MFU per GPU), the peak memory over all steps, the optimizer state (logged once), the first and
+    last loss."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[warmup:] or rows
+    timed = [r for r in rows[warmup:] if r["step"] not in skip_steps] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
     return {"tokens_per_s": med("tokens_per_s"), "tflops": med("tflops_per_gpu"),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
+            "optim_state_gib": next((r["optim_state_gib"] for r in rows if "optim_state_gib" in r), float("nan")),
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
-def main() -> None:
+HEADER = ["variant", "micro-batch", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB", "vs bf16",
+          "optimizer state GiB", "loss first→last"]
+
+
+def table_rows(results: list[dict]) -> list[list[str]]:
+    """The headline table: one row per variant; speed and memory against the bf16 row with the same
+    micro-batch and MTP setting (blank without one)."""
+
+    def baseline(r: dict) -> dict | None:
+        name = "bf16" + (NO_MTP if r["variant"].partition("@")[0].endswith(NO_MTP) else "")
+        return next((b for b in results if "error" not in b and b["micro"] == r["micro"]
+                     and b["variant"].partition("@")[0] == name), None)
+
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["variant"], str(r["micro"]), r["error"], *[""] * (len(HEADER) - 3)])
+            continue
+        base = baseline(r)
+        speed, mem = (f"{r[k] / base[k]:.2f}x" if base else "" for k in ("tokens_per_s", "peak_mem_gib"))
+        mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
+        rows.append([r["variant"], str(r["micro"]), f"{r['tokens_per_s']:,.0f}", speed,
+                     f"{r['tflops']:.0f}", mfu, f"{r['peak_mem_gib']:.1f}", mem,
+                     f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="ling_mini_2_0_l6")
+    ap.add_argument("--model", default="ling_mini_2_0_e64")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--micro", type=int, default=1)
+    ap.add_argument("--micro", type=int, default=1, help="micro-batch of the variants without @M")
     ap.add_argument("--grad-accum", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=157184)
     ap.add_argument("--variants", default="bf16,fp8")
+    ap.add_argument("--profile", default=None, metavar="VARIANT", help="one of --variants, profiled once")
     ap.add_argument("--extra", default="model.activation_checkpointing=true")
-    args = ap.parse_args()
-    results = [run_variant(v, args) for v in args.variants.split(",")]
-    base = next((r for r in results if r["variant"] == "bf16" and "error" not in r), None)
-    print(f"\n### {args.model}, seq {args.seq_len} x micro-batch {args.micro} x grad_accum {args.grad_accum}, "
-          f"{args.steps} steps "
-          f"(medians after {args.warmup})\n")
-    print("| variant | tokens/s | vs bf16 | TFLOPS/GPU | MFU | peak mem GiB | vs bf16 | loss first→last |")
-    print("|---|---|---|---|---|---|---|---|")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    specs = args.variants.split(",")
+    for spec in specs:
+        parse_variant(spec, args.micro)
+    if args.profile is not None and args.profile not in specs:
+        raise SystemExit(f"--profile {args.profile}: not one of --variants ({args.variants})")
+    profile_step = max(args.warmup + 1, 2)
+    if args.profile is not None and profile_step > args.steps:
+        raise SystemExit(f"--profile needs --steps > --warmup (step {profile_step} is profiled)")
+    results = [run_variant(s, args, profile_step if s == args.profile else None) for s in specs]
+
+    print(f"\n### {args.model}, seq {args.seq_len} x micro-batch (per row) x grad_accum {args.grad_accum}, "
+          f"{args.steps} steps (medians after {args.warmup}; tokens per step grow with the micro-batch)\n")
+    print(markdown(HEADER, table_rows(results)))
     for r in results:
-        if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:80]} | | | | | | |")
-            continue
-        sp = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
-        mem = r["peak_mem_gib"] / base["peak_mem_gib"] if base else float("nan")
-        print(f"| {r['variant']} | {r['tokens_per_s']:.0f} | {sp:.2f}x | {r['tflops']:.0f} | {r['mfu']:.1%} | "
-              f"{r['peak_mem_gib']:.1f} | {mem:.2f}x | {r['loss_first']:.3f}→{r['loss_last']:.3f} |")
+        if "profile" in r:
+            path, text = r["profile"]
+            print(f"\n#### Profile of `{r['variant']}` ({path})\n")
+            print(text)
 
 
 if __name__ == "__main__":

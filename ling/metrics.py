@@ -44,3 +44,36 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB on Linux
+
+
+# DeepSpeed's fp32 master weights: ZeRO-1/2, ZeRO-3 and the BF16_Optimizer (ZeRO-0 with bf16) keep them here
+MASTER_WEIGHT_LISTS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+def optimizer_state_bytes(optimizer, model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of optimizer state this rank holds: (state, master weights), each tensor counted once.
+
+    state: the tensors in the torch optimizer's `state` (under DeepSpeed's wrapper, `optimizer.optimizer`) but
+    the step counters: AdamW's fp32 exp_avg and exp_avg_sq; FP8AdamW's E4M3 moments and their fp32 block scales
+    (fp32 moments for tensors under `min_fp8_numel`). Under ZeRO these are of this rank's flat partitions,
+    padding included. master weights: the fp32 partitions of `MASTER_WEIGHT_LISTS` that are not the model's own
+    parameter storage (ZeRO-1/2 always copy, also in fp32 on CPU; ZeRO-3 in fp32 and a plain torch optimizer
+    update the parameters themselves: 0). Gradients and DeepSpeed's reduction buffers are not counted."""
+    base = getattr(optimizer, "optimizer", optimizer)
+    seen: set[tuple[int, int]] = set()
+
+    def nbytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            key = (t.data_ptr(), t.numel() * t.element_size())
+            if key not in seen:
+                seen.add(key)
+                total += key[1]
+        return total
+
+    state = nbytes(v for s in base.state.values() for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor))
+    own = {t.untyped_storage().data_ptr() for p in model.parameters()
+           for t in (p, getattr(p, "ds_tensor", None)) if t is not None and t.numel()}
+    masters = [t for name in MASTER_WEIGHT_LISTS for t in getattr(optimizer, name, None) or ()
+               if t.untyped_storage().data_ptr() not in own]
+    return state, nbytes(masters)

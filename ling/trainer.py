@@ -34,9 +34,11 @@ from ling.evaluate import evaluate
 from ling.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
 from ling.launch import StopRun, init_distributed
 from ling.logger import MetricsLogger, setup_logging, truncate_metrics
-from ling.metrics import flops_per_token, peak_memory_gib, peak_tflops
+from ling.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
 from ling.preemption import Preempted, StopSignals
+from ling.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
 from ling.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
+from model.layers import scope
 from model.ling import count_parameters
 from model.moe import update_expert_biases
 
@@ -114,6 +116,8 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
         self.device = resolve_device(cfg)
+        self.profiler = StepProfiler.from_config(tc, self.total_steps, run_dir / "profile", self.device,
+                                                 write=self.rank == 0)
         batch_args = {"seq_len": int(tc.seq_len), "micro_batch_size": int(tc.micro_batch_size),
                       "rank": self.rank, "world_size": self.world, "seed": seed}
         self.loader = build_loader(cfg.data, **batch_args)
@@ -154,6 +158,7 @@ class Trainer:
         self.recent_losses: deque[float] = deque(maxlen=10)
         self.val_metrics: dict[str, float] = {}
         self.timed = [0, 0.0]  # steps and seconds of this session after its first step (tokens/s)
+        self.optim_state_gib: float | None = None  # measured after the first applied step (state is lazy)
         log.info("model: %s; linears=%s; ranks=%d (moe.ep_size=%d); device=%s; run dir %s", self.counts,
                  self.model_config.precision, self.world, self.model_config.ep_size, self.device, run_dir)
         if resume_from is not None:
@@ -213,7 +218,8 @@ class Trainer:
         metrics: dict[str, Any] = {}
         self.engine.train()
         for step in range(self.start_step + 1, total + 1):
-            metrics = self.train_step(step)
+            with self.profiler.step(step):  # torch.profiler on train.profile_step only
+                metrics = self.train_step(step)
             stopping = self.stop_requested and step < total
             if _due(int(tc.eval_every), step, total) and not stopping:
                 metrics.update(self.validate())
@@ -243,8 +249,10 @@ class Trainer:
             batch = {k: v.to(device, non_blocking=True) for k, v in self.loader.next_batch().items()}
             out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
             loss = self.guard.loss_for_backward(out.loss, step)  # = out.loss when finite, else NaN
-            engine.backward(loss)
-            engine.step()
+            with scope(GRAD_REDUCE_SCOPE):  # profiler ranges (no-ops unless profiling): DeepSpeed's backward hooks
+                engine.backward(loss)
+            with scope(OPTIMIZER_SCOPE):  # DeepSpeed steps the optimizer at the accumulation boundary
+                engine.step()
             parts = [loss, out.lm_loss, out.mtp_loss if out.mtp_loss is not None else loss * 0, out.z_loss]
             sums[:4] += torch.stack([p.detach().double() for p in parts])
         applied = engine.was_step_applied()
@@ -283,8 +291,17 @@ class Trainer:
             max_over_mean = [s["max_over_mean"] for s in loads]
             metrics["expert_load_max_over_mean"] = float(np.mean(max_over_mean))
             metrics["expert_load_max_over_mean_worst"] = float(np.max(max_over_mean))
+        if self.optim_state_gib is None and applied:
+            metrics["optim_state_gib"] = self._measure_optimizer_state()
         metrics.update(self.monitor.end_step(step, _mean_across_ranks))  # alarms, recompute check, fallback
         return metrics
+
+    def _measure_optimizer_state(self) -> float:
+        state, master = optimizer_state_bytes(self.engine.optimizer, self.model)
+        self.optim_state_gib = (state + master) / 2**30
+        log.info("optimizer state on rank %d: %.3f GiB (moments and their scales %.3f + fp32 master weights %.3f)",
+                 self.rank, self.optim_state_gib, state / 2**30, master / 2**30)
+        return self.optim_state_gib
 
     def validate(self) -> dict[str, float]:
         """Validation losses (`val_` + evaluate's keys) over the same `train.eval_batches` batches each time."""
@@ -335,7 +352,7 @@ class Trainer:
             "train_loss_mean_last_10": float(np.mean(self.recent_losses)) if self.recent_losses else None,
             "val_loss": self.val_metrics.get("val_loss"),
             "tokens_per_s": self.tokens_per_step * steps_timed / seconds if seconds else None,
-            "peak_mem_gib": peak_memory_gib(self.device),
+            "peak_mem_gib": peak_memory_gib(self.device), "optim_state_gib": self.optim_state_gib,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
         if self.rank == 0:

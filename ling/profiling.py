@@ -1,0 +1,279 @@
+"""Where a training step's time goes: torch.profiler events grouped by part of the model and of the step.
+
+The parts come from named profiler ranges (`model.layers.scope`): the model's (`attention_core`, `experts`,
+`lm_head_loss`, ...) and the trainer's (`optimizer` around DeepSpeed's `engine.step()`: unscale, gradient
+clipping, the optimizer kernel, the copies back into the bf16 weights; `grad_reduce` around `engine.backward()`).
+A kernel (on CUDA; on CPU an op's self time) goes to the part of the innermost range around the op that launched
+it. Backward kernels run inside an autograd node (`autograd::engine::evaluate_function: XBackward0`) on
+autograd's thread: they go to the part of the forward op that created the node (same thread and sequence
+number; of the ops recording one number, the last). Gradient accumulation (`AccumulateGrad` nodes) and
+DeepSpeed's gradient hooks (ZeRO's bucket copies and reductions, which autograd runs outside any node, on its
+own thread on CUDA) go to `grad_reduce` when they run inside `engine.backward()` in time; the rest is "other".
+
+`StepProfiler` is the trainer's hook (`train.profile_step`): step N runs under torch.profiler and rank 0 writes
+`<run dir>/profile/step{N}.md` and `.json` (and the chrome trace with `train.profile_trace`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ling.checkpoint import atomic_write
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_SCOPE, GRAD_REDUCE_SCOPE = "optimizer", "grad_reduce"  # the trainer's ranges
+GRAD_REDUCE = "grad accumulation + reduction (DeepSpeed hooks)"
+# profiler range → part of the table; the innermost range wins
+PART_OF_SCOPE = {
+    "attention_core": "attention (QK-norm, RoPE, SDPA/flex)",
+    "attention_proj": "dense linears", "mlp": "dense linears", "mtp_proj": "dense linears",
+    "experts": "experts", "dispatch": "dispatch", "router": "router", "shared_expert": "shared expert",
+    "expert_parallel": "experts + expert-parallel all-to-all",
+    "moe": "MoE, rest (router losses, reshapes)",
+    "lm_head_loss": "LM head + loss",
+    "embedding": "other",
+    OPTIMIZER_SCOPE: "optimizer (DeepSpeed step)",
+    GRAD_REDUCE_SCOPE: GRAD_REDUCE,
+}
+BACKWARD = "autograd::engine::evaluate_function"
+ACCUMULATE_GRAD = "AccumulateGrad"
+OTHER = "other"
+
+
+def _scope_of(event) -> tuple[str | None, Any]:
+    """(part, None) for the innermost named range around `event`, (None, backward node) if a backward node
+    comes first, (None, None) for neither."""
+    while event is not None:
+        if event.name in PART_OF_SCOPE:
+            return PART_OF_SCOPE[event.name], None
+        if event.name.startswith(BACKWARD):
+            return None, event
+        event = event.cpu_parent
+    return None, None
+
+
+def _is_cpu_op(event) -> bool:
+    return (event.device_type == torch.autograd.DeviceType.CPU and event.name not in PART_OF_SCOPE
+            and not event.name.startswith(BACKWARD))
+
+
+def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
+    """Profiler events → {part: {kernel (CUDA) or op (CPU self time): µs}}. A backward kernel goes to the part
+    of the forward op that created its autograd node (same thread and sequence number); AccumulateGrad nodes
+    and the events outside any range that run on another thread while a `grad_reduce` range is open go to
+    the gradient-reduction part."""
+    forward_part, reduce_ranges = {}, []
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if e.name == GRAD_REDUCE_SCOPE:
+            reduce_ranges.append((e.time_range.start, e.time_range.end, e.thread))
+        elif e.sequence_nr >= 0 and not e.name.startswith(BACKWARD):
+            # every op records the number the *next* autograd node will get: the node's creator is the last
+            # op that saw it (earlier ones, e.g. integer index ops in `dispatch`, created no node)
+            part, node = _scope_of(e)
+            if node is None:  # not an op run by backward itself
+                forward_part[(e.thread, e.sequence_nr)] = part
+
+    def in_reduce(e) -> bool:  # outside any range on its thread, inside engine.backward() in time
+        return any(s <= e.time_range.start and e.time_range.end <= t and e.thread != th for s, t, th in reduce_ranges)
+
+    parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in events:
+        if cuda:
+            items = [(k.name, k.duration) for k in e.kernels]
+        else:
+            items = [(e.name, e.self_cpu_time_total)] if _is_cpu_op(e) else []
+        if not items:
+            continue
+        part, node = _scope_of(e)
+        if node is not None:
+            part = (GRAD_REDUCE if node.name.endswith(ACCUMULATE_GRAD)
+                    else forward_part.get((node.fwd_thread, node.sequence_nr)) or OTHER)
+        elif part is None:
+            part = GRAD_REDUCE if in_reduce(_root(e)) else OTHER
+        for name, us in items:
+            parts[part][name] += us
+    return parts
+
+
+def _root(event):
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+    return event
+
+
+def busy_us(events) -> float:
+    """Length of the union of all device-side intervals (kernels, copies, memsets on any stream), µs."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    total, end = 0.0, float("-inf")
+    for s, t in spans:
+        if t > end:
+            total += t - max(s, end)
+            end = t
+    return total
+
+
+@dataclass
+class ProfileSummary:
+    """Time per part over `steps` profiled steps; `kind` says what is summed: GPU kernel time, or CPU self
+    time of the ops without CUDA. `busy_ms` (CUDA only): the union of device intervals, per step."""
+
+    parts: dict[str, dict[str, float]]  # µs over all profiled steps
+    steps: int
+    cuda: bool
+    wall_ms: float | None = None  # per step
+    busy_ms: float | None = None
+
+    @property
+    def unit(self) -> str:
+        return "GPU ms" if self.cuda else "CPU self ms"
+
+    @property
+    def total_ms(self) -> float:
+        return sum(sum(k.values()) for k in self.parts.values()) / self.steps / 1e3
+
+    def grouped(self, top: int = 3) -> list[dict[str, Any]]:
+        """Parts, largest first: {part, ms (per step), share, top: [{kernel, ms}]}."""
+        total = self.total_ms or 1.0
+        out = []
+        for part, kernels in sorted(self.parts.items(), key=lambda kv: -sum(kv[1].values())):
+            ms = sum(kernels.values()) / self.steps / 1e3
+            best = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+            out.append({"part": part, "ms": ms, "share": ms / total,
+                        "top": [{"kernel": n, "ms": us / self.steps / 1e3} for n, us in best]})
+        return out
+
+    def top_kernels(self, n: int = 15) -> list[dict[str, Any]]:
+        """Kernels (ops on CPU) by time over all parts: {kernel, ms (per step), share, parts: {part: ms}, largest
+        first}."""
+        merged: dict[str, dict[str, float]] = defaultdict(dict)
+        for part, kernels in self.parts.items():
+            for name, us in kernels.items():
+                merged[name][part] = us
+        total = self.total_ms or 1.0
+        ranked = sorted(merged.items(), key=lambda kv: -sum(kv[1].values()))[:n]
+        return [{"kernel": name, "ms": sum(by.values()) / self.steps / 1e3,
+                 "share": sum(by.values()) / self.steps / 1e3 / total,
+                 "parts": {p: us / self.steps / 1e3 for p, us in sorted(by.items(), key=lambda kv: -kv[1])}}
+                for name, by in ranked]
+
+    def to_dict(self, top_parts: int = 3, top_overall: int = 15) -> dict[str, Any]:
+        return {"unit": self.unit, "steps": self.steps, "total_ms": self.total_ms, "wall_ms": self.wall_ms,
+                "busy_ms": self.busy_ms,
+                "busy_over_wall": self.busy_ms / self.wall_ms if self.busy_ms is not None and self.wall_ms else None,
+                "parts": self.grouped(top_parts), "top_kernels": self.top_kernels(top_overall)}
+
+    def part_rows(self, top: int = 3) -> list[list[str]]:
+        """The grouped table's rows (part, ms, share, top kernels) and a total row."""
+        rows = [[g["part"], f"{g['ms']:.1f}", f"{g['share']:.0%}",
+                 "; ".join(f"{_short(k['kernel'])} {k['ms']:.1f}" for k in g["top"])] for g in self.grouped(top)]
+        return rows + [["**total**", f"{self.total_ms:.1f}", "100%", ""]]
+
+    def markdown(self, title: str, top_overall: int = 15) -> str:
+        """The grouped table, GPU busy vs wall, the top kernels overall."""
+        unit = self.unit
+        lines = [f"### {title} ({unit} per step)", "",
+                 markdown(["part", unit, "share", f"top kernels ({unit})"], self.part_rows()), ""]
+        if self.busy_ms is not None and self.wall_ms:
+            lines += [f"GPU busy {self.busy_ms:.1f} ms of {self.wall_ms:.1f} ms wall per step "
+                      f"({self.busy_ms / self.wall_ms:.0%}; the union of all device intervals; the wall time "
+                      "includes the profiler's own overhead)", ""]
+        elif self.wall_ms:
+            lines += [f"wall {self.wall_ms:.1f} ms per step (no GPU: CPU self time of the ops above)", ""]
+        rows = [[_short(k["kernel"], 80), f"{k['ms']:.2f}", f"{k['share']:.1%}", _main_parts(k["ms"], k["parts"])]
+                for k in self.top_kernels(top_overall)]
+        lines += [f"Top {len(rows)} kernels overall:", "", markdown(["kernel", unit, "share", "in parts"], rows)]
+        return "\n".join(lines) + "\n"
+
+
+def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> ProfileSummary:
+    """Profiler events of `steps` steps → ProfileSummary (wall time `wall_s` over all of them, if measured)."""
+    events = list(events)
+    return ProfileSummary(attribute(events, cuda), steps, cuda,
+                          wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
+                          busy_ms=busy_us(events) / steps / 1e3 if cuda else None)
+
+
+@contextlib.contextmanager
+def profiled(device: torch.device) -> Iterator[dict[str, Any]]:
+    """Run the block under torch.profiler (CPU, + CUDA on a CUDA device), synchronised at both ends; the
+    yielded dict gets `profile` (the profiler) and `wall_s` on exit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    result: dict[str, Any] = {}
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        sync()
+        t0 = time.perf_counter()
+        yield result
+        sync()
+        result["wall_s"] = time.perf_counter() - t0
+    result["profile"] = prof
+
+
+class StepProfiler:
+    """`with profiler.step(n):` around optimizer step n runs it under torch.profiler when n is `train.profile_step`
+    (all ranks, so collectives are timed as usual); rank 0 writes `out_dir/step{n}.md` and `.json` (and
+    `step{n}.trace.json` with `train.profile_trace`). A no-op for every other step."""
+
+    def __init__(self, step: int | None, out_dir: Path, device: torch.device, write: bool, trace: bool = False):
+        self.at, self.out_dir, self.device, self.write, self.trace = step, out_dir, device, write, trace
+
+    @classmethod
+    def from_config(cls, train_cfg, total_steps: int, out_dir: Path, device: torch.device, write: bool):
+        """From `train.profile_step` (null, or an int N >= 2: step 1 carries one-time costs such as compilation
+        and lazy optimizer state) and `train.profile_trace`."""
+        step = train_cfg.get("profile_step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 2 <= step <= total_steps):
+            raise ValueError(f"train.profile_step={step!r}: want null or an integer step in 2..train.steps "
+                             f"({total_steps}); step 1 carries one-time costs (compilation, optimizer state)")
+        return cls(step, out_dir, device, write, bool(train_cfg.get("profile_trace", False)))
+
+    @contextlib.contextmanager
+    def step(self, n: int) -> Iterator[None]:
+        if n != self.at:
+            yield
+            return
+        with profiled(self.device) as result:
+            yield
+        if self.write:
+            self._write(n, result["profile"], result["wall_s"])
+
+    def _write(self, n: int, prof, wall_s: float) -> None:
+        summary = summarize(prof.events(), 1, self.device.type == "cuda", wall_s)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        md, js = self.out_dir / f"step{n}.md", self.out_dir / f"step{n}.json"
+        text = summary.markdown(f"Where optimizer step {n} spends its time")
+        atomic_write(md, lambda tmp: tmp.write_text(text))
+        data = json.dumps({"step": n, **summary.to_dict()}, indent=1)
+        atomic_write(js, lambda tmp: tmp.write_text(data))
+        if self.trace:
+            atomic_write(self.out_dir / f"step{n}.trace.json", lambda tmp: prof.export_chrome_trace(str(tmp)))
+        log.info("profile of step %d: %s (%.1f %s in all)", n, md, summary.total_ms, summary.unit)
+
+
+def _main_parts(ms: float, parts: dict[str, float], n: int = 2) -> str:
+    """'experts 90%, router 8%, …' (the n largest parts of a kernel's time)."""
+    shown = [f"{p} {t / ms:.0%}" for p, t in list(parts.items())[:n]] if ms else list(parts)[:n]
+    return ", ".join(shown + (["…"] if len(parts) > n else []))
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def markdown(header: list[str], rows: Iterable[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

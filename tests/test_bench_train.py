@@ -1,0 +1,92 @@
+"""bench/bench_train.py on CPU: variant specs, the headline table's baselines and OOM rows, medians without
+the profiled step, and one real run of the tiny model with its profile table printed after the main table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_variant_specs():
+    bench = load_bench()
+    assert bench.parse_variant("fp8", 1) == ("fp8", False, 1)
+    assert bench.parse_variant("bf16_nomtp@4", 1) == ("bf16", True, 4)
+    args = type("Args", (), {"micro": 2})()
+    assert bench.variant_overrides("fp8_nomtp", args) == (
+        2, ["precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.num_mtp_layers=0"])
+    for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "bf16_nomtp_nomtp"):
+        with pytest.raises(SystemExit, match="--variants"):
+            bench.parse_variant(bad, 1)
+
+
+def result(variant: str, micro: int, tokens: float, mem: float) -> dict:
+    return {"variant": variant, "micro": micro, "tokens_per_s": tokens, "tflops": tokens / 100, "mfu": 0.25,
+            "peak_mem_gib": mem, "optim_state_gib": 1.5, "loss_first": 10.0, "loss_last": 9.5}
+
+
+def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setting():
+    bench = load_bench()
+    results = [result("bf16", 1, 1000.0, 100.0), result("fp8", 1, 1300.0, 70.0),
+               result("bf16_nomtp", 1, 1200.0, 80.0), result("fp8_nomtp@1", 1, 1800.0, 40.0),
+               {"variant": "bf16@2", "micro": 2, "error": "OOM"}, result("fp8@2", 2, 2000.0, 90.0)]
+    rows = {r[0]: r for r in bench.table_rows(results)}
+    assert len(bench.HEADER) == len(rows["bf16"])
+    assert rows["bf16"][1:4] == ["1", "1,000", "1.00x"]
+    assert rows["fp8"][3] == "1.30x" and rows["fp8"][7] == "0.70x"
+    assert rows["fp8_nomtp@1"][3] == "1.50x" and rows["fp8_nomtp@1"][7] == "0.50x"  # against bf16_nomtp
+    assert rows["bf16@2"][2] == "OOM" and len(rows["bf16@2"]) == len(bench.HEADER)
+    assert rows["fp8@2"][3] == "" and rows["fp8@2"][7] == ""  # its bf16 row ran out of memory
+    assert rows["fp8"][4:7] == ["13", "25.0%", "70.0"] and rows["fp8"][8:] == ["1.50", "10.000→9.500"]
+
+
+def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
+    bench = load_bench()
+    lines = [{"step": s, "tokens_per_s": float(t), "tflops_per_gpu": 1.0, "peak_mem_gib": float(s), "loss": 5.0 - s}
+             for s, t in enumerate([1, 2, 100, 3, 4], start=1)]
+    lines[0]["optim_state_gib"] = 0.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = bench.summarize_run(tmp_path, warmup=1, skip_steps=(3,))
+    assert summary["tokens_per_s"] == 3.0  # median of steps 2, 4, 5
+    assert summary["peak_mem_gib"] == 5.0 and summary["optim_state_gib"] == 0.5
+    assert bench.summarize_run(tmp_path, warmup=1)["tokens_per_s"] == 3.5
+
+
+def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatch, capsys):
+    bench = load_bench()
+    real_run = subprocess.run
+
+    def run(cmd, **kw):  # the micro-batch-2 variant "runs out of memory"
+        if "train.micro_batch_size=2" in cmd:
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory.")
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    bench.main(["--device", "cpu", "--model", "tiny", "--variants", "fp8_nomtp,bf16@2", "--profile", "fp8_nomtp",
+                "--steps", "3", "--warmup", "1", "--seq-len", "32", "--grad-accum", "1", "--vocab", "512",
+                "--extra", "model.num_layers=2"])
+    out = capsys.readouterr().out
+    table = out[out.rindex("| variant | micro-batch"):out.index("#### Profile of `fp8_nomtp`")]
+    rows = [line.split(" | ") for line in table.strip().splitlines()[2:]]
+    assert [r[0].lstrip("| ") for r in rows] == ["fp8_nomtp", "bf16@2"]
+    assert rows[1][1:3] == ["2", "OOM"]
+    assert float(rows[0][8]) > 0  # optimizer state, logged by the run
+    profile = out[out.index("#### Profile of `fp8_nomtp`"):]
+    assert "Where optimizer step 2 spends its time" in profile and "| optimizer (DeepSpeed step) |" in profile
+
+
+def test_profile_must_name_one_of_the_variants():
+    with pytest.raises(SystemExit, match="--profile fp8"):
+        load_bench().main(["--variants", "bf16", "--profile", "fp8"])
