@@ -113,9 +113,12 @@ def _root(event):
 
 
 def busy_us(events) -> float:
-    """Length of the union of all device-side intervals (kernels, copies, memsets on any stream), µs."""
+    """Length of the union of all device-side intervals (kernels, copies, memsets on any stream), µs. The
+    profiler also projects every record_function range onto the GPU timeline (`gpu_user_annotation`, device
+    type CUDA, `is_user_annotation`): those spans cover idle gaps and are left out (as torch's own device-time
+    totals do)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     total, end = 0.0, float("-inf")
     for s, t in spans:
         if t > end:

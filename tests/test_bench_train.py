@@ -84,7 +84,7 @@ def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatc
     assert rows[1][1:3] == ["2", "OOM"]
     assert float(rows[0][8]) > 0  # optimizer state, logged by the run
     profile = out[out.index("#### Profile of `fp8_nomtp`"):]
-    assert "Where optimizer step 2 spends its time" in profile and "| optimizer (DeepSpeed step) |" in profile
+    assert "Where optimizer step 3 spends its time" in profile and "| optimizer (DeepSpeed step) |" in profile
 
 
 def test_profile_must_name_one_of_the_variants():
