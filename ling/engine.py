@@ -182,6 +182,9 @@ def _as_dict(node: Any) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
+GRAD_ACCUM_DTYPES = ("fp32", "bf16")
+
+
 def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
     """The DeepSpeed JSON config from `train`, `optim` and `deepspeed` nodes."""
     ds = cfg.deepspeed
@@ -198,6 +201,19 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    accum = ds.get("grad_accum_dtype")
+    if accum is not None:
+        if accum not in GRAD_ACCUM_DTYPES:
+            raise ValueError(f"deepspeed.grad_accum_dtype={accum!r} is unknown (known: {', '.join(GRAD_ACCUM_DTYPES)}, "
+                             "null = DeepSpeed's default, the model's dtype)")
+        if accum == "fp32" and int(ds.zero_stage) in (0, 1) and use_bf16:
+            # stage 0: DeepSpeed refuses the mix; stage 1: it switches to its BF16_Optimizer, whose sum of 8 bf16
+            # micro-batch gradients was 1.7e-3 off the exact one (as bf16 accumulation), tests/test_grad_accum.py
+            raise ValueError(f"deepspeed.grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3 (got "
+                             f"{int(ds.zero_stage)}): DeepSpeed has no working fp32 gradient accumulation for bf16 "
+                             "below ZeRO-2; use deepspeed=zero2, or grad_accum_dtype=null")
+        if use_bf16:  # fp32 runs accumulate in fp32 anyway
+            conf["data_types"] = {"grad_accum_dtype": accum}
     conf.update(_as_dict(ds.get("extra")))
     return conf
 

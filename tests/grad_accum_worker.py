@@ -1,0 +1,78 @@
+"""One process: DeepSpeed bf16 + ZeRO on CPU (gloo), a bf16 linear layer, 8 micro-batches of one step, and the
+gradient the optimizer receives against the float64 sum of the same 8 bf16 micro-batch gradients
+(tests/test_grad_accum.py). Prints one JSON line per case: {"case": "2:fp32", "optimizer": class name,
+"rel_err": ||seen - ref|| / ||ref||}.
+
+    python tests/grad_accum_worker.py 2:fp32 2:null 3:fp32      # ZeRO stage : deepspeed.grad_accum_dtype
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MICRO_BATCHES = 8
+
+
+class RecordGradient(torch.optim.Optimizer):
+    """Keeps the gradient of each parameter it is handed (ZeRO's flat fp32 partition) and changes nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})
+        self.seen: list[torch.Tensor] = []
+
+    def step(self, closure=None):
+        self.seen = [p.grad.detach().double().clone() for g in self.param_groups for p in g["params"]]
+
+
+def run_case(stage: int, accum: str | None) -> dict:
+    import deepspeed
+    from omegaconf import OmegaConf
+
+    from ling.engine import deepspeed_config
+
+    cfg = OmegaConf.create({"train": {"micro_batch_size": 1, "grad_accum": MICRO_BATCHES},
+                            "optim": {"grad_clip": 0.0},
+                            "deepspeed": {"zero_stage": stage, "grad_accum_dtype": accum}})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 384, bias=False).to(torch.bfloat16)
+    twin = torch.nn.Linear(512, 384, bias=False).to(torch.bfloat16)
+    twin.load_state_dict(model.state_dict())
+    opt = RecordGradient(model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, use_bf16=True))
+    # inputs of very different scale per micro-batch: a bf16 running sum loses the small ones' low bits
+    xs = [torch.randn(64, 512) * 4.0 ** (i % 4) for i in range(MICRO_BATCHES)]
+    ref = torch.zeros(384 * 512, dtype=torch.float64)
+    for x in xs:
+        xb = x.to(torch.bfloat16)
+        engine.backward(engine(xb).float().pow(2).mean())
+        # the same micro-batch gradient by plain autograd (DeepSpeed scales the loss by 1/grad_accum)
+        (twin(xb).float().pow(2).mean() / MICRO_BATCHES).backward()
+        ref += twin.weight.grad.double().flatten()
+        twin.weight.grad = None
+        engine.step()
+    seen = torch.cat([t.flatten() for t in opt.seen])[: ref.numel()]
+    return {"case": f"{stage}:{accum or 'null'}", "optimizer": type(engine.optimizer).__name__,
+            "rel_err": float((seen - ref).norm() / ref.norm())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="+", help="STAGE:DTYPE, DTYPE one of fp32, bf16, null")
+    args = ap.parse_args()
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    for case in args.cases:
+        stage, accum = case.split(":")
+        print(json.dumps(run_case(int(stage), None if accum == "null" else accum)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
