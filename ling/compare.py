@@ -231,11 +231,17 @@ def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2) ->
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
+    """mean, std (ddof 1), min, max, n and the mean's 95 % t-interval (ci_low, ci_high; NaN for n < 2)."""
+    from scipy import stats
+
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
     if len(v) == 0:
-        return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "n": 0}
-    return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-            "min": float(v.min()), "max": float(v.max()), "n": len(v)}
+        return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "n": 0,
+                "ci_low": math.nan, "ci_high": math.nan}
+    std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+    half = float(stats.t.ppf(0.975, len(v) - 1)) * std / math.sqrt(len(v)) if len(v) > 1 else math.nan
+    return {"mean": float(v.mean()), "std": std, "min": float(v.min()), "max": float(v.max()), "n": len(v),
+            "ci_low": float(v.mean()) - half, "ci_high": float(v.mean()) + half}
 
 
 @dataclass
@@ -245,6 +251,7 @@ class Comparison:
     mean_rel: dict[str, float]  # spread over pairs of mean_rel
     mean_abs_rel: dict[str, float]
     noise_floor: float | None  # mean over noise pairs of mean_abs_rel
+    noise_rel: dict[str, float] | None  # spread over noise pairs of mean_rel
     within_noise: bool | None  # |mean over pairs of mean_rel| <= noise_floor
     within_target: bool  # |mean over pairs of mean_rel| <= 0.1 %
     upward_trend: list[str]  # candidates whose slope CI lies above 0
@@ -255,6 +262,7 @@ def summarize(pairs: list[PairSummary], noise: list[PairSummary]) -> Comparison:
     floor = spread([p.mean_abs_rel for p in noise])["mean"] if noise else None
     level = abs(mean_rel["mean"])
     return Comparison(pairs, noise, mean_rel, spread([p.mean_abs_rel for p in pairs]), floor,
+                      spread([p.mean_rel for p in noise]) if noise else None,
                       None if floor is None else bool(level <= floor), bool(level <= TARGET_REL_DIFF),
                       [p.candidate for p in pairs if p.slope.ci_low > 0])
 
@@ -384,6 +392,13 @@ def _row(p: PairSummary) -> str:
             f"{_loss(p.held_out_a)} / {_loss(p.held_out_b)} ({_pct(p.held_out_rel)}) |")
 
 
+def _mean_row(label: str, m: dict[str, float], a: dict[str, float]) -> str:
+    ci = f"; 95 % CI [{_pct(m['ci_low'])}, {_pct(m['ci_high'])}]" if math.isfinite(m["ci_low"]) else ""
+    return (f"| {label} (± std; min … max{'; t-interval of the mean' if ci else ''}) | | | {_pct(m['mean'])} ± "
+            f"{_pct(m['std']).lstrip('+')} ({_pct(m['min'])} … {_pct(m['max'])}{ci}) | "
+            f"{_pct(a['mean']).lstrip('+')} ± {_pct(a['std']).lstrip('+')} | | | |")
+
+
 def render_report(comp: Comparison, plots: dict[str, Path | None], command: str, window: float) -> str:
     key = comp.pairs[0].key
     lines = [f"# FP8 vs BF16 comparison ({key})", "",
@@ -397,10 +412,11 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
     lines += [_row(p) for p in comp.pairs]
     if len(comp.pairs) > 1:
         m, a = comp.mean_rel, comp.mean_abs_rel
-        lines.append(f"| **mean over {m['n']} seeds** (± std; min … max) | | | {_pct(m['mean'])} ± "
-                     f"{_pct(m['std']).lstrip('+')} ({_pct(m['min'])} … {_pct(m['max'])}) | "
-                     f"{_pct(a['mean']).lstrip('+')} ± {_pct(a['std']).lstrip('+')} | | | |")
+        lines.append(_mean_row(f"**mean over {m['n']} seeds**", m, a))
     lines += [_row(p).replace("| ", "| noise: ", 1) for p in comp.noise]
+    if len(comp.noise) > 1:
+        lines.append(_mean_row(f"**noise: mean over {len(comp.noise)} pairs**", comp.noise_rel,
+                               spread([p.mean_abs_rel for p in comp.noise])))
     lines += ["", "**Verdict.** " + verdict(comp), ""]
     lines += ["## Plots", ""]
     for title, name in (("Loss curves", "loss"), ("Relative difference", "rel_diff"), ("FP8 health", "fp8_health")):
@@ -424,6 +440,16 @@ def verdict(comp: Comparison) -> str:
     parts = [f"mean relative {comp.pairs[0].key} difference over the window: {_pct(level)}"
              + (f" (mean of {comp.mean_rel['n']} seeds)" if comp.mean_rel["n"] > 1 else "")]
     parts.append(f"{'within' if comp.within_target else 'NOT within'} the 0.1 % target")
+    m = comp.mean_rel
+    if math.isfinite(m["ci_low"]):
+        contains = m["ci_low"] <= 0 <= m["ci_high"]
+        parts.append(f"95 % interval of the mean [{_pct(m['ci_low'])}, {_pct(m['ci_high'])}] "
+                     f"{'contains' if contains else 'excludes'} 0")
+    if comp.noise_rel is not None and comp.noise_rel["n"] > 1 and m["n"] > 1:
+        wider = m["std"] > comp.noise_rel["std"]
+        parts.append(f"spread across seeds (std) {_pct(m['std']).lstrip('+')} "
+                     f"{'wider than' if wider else 'no wider than'} the noise pairs' "
+                     f"{_pct(comp.noise_rel['std']).lstrip('+')}")
     if comp.noise_floor is None:
         parts.append("no noise-floor pair given (--noise), so the noise floor is unknown")
     else:

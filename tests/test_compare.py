@@ -132,8 +132,13 @@ def test_seeds_and_noise_floor(tmp_path):
     assert comp.mean_rel["min"] == pytest.approx(0.0004) and comp.mean_rel["max"] == pytest.approx(0.0008)
     assert comp.noise_floor == pytest.approx(0.002)
     assert comp.within_noise and comp.within_target
+    # 95 % t-interval of the mean of (0.04, 0.06, 0.08) %: t(0.975, 2) = 4.3027, std/sqrt(3) = 0.02/sqrt(3) %
+    half = 4.302653 * 0.0002 / np.sqrt(3)
+    assert (comp.mean_rel["ci_low"], comp.mean_rel["ci_high"]) == pytest.approx((0.0006 - half, 0.0006 + half))
     report = (tmp_path / "out" / "report.md").read_text()
     assert "mean over 3 seeds" in report and "noise: s1_bf16_rerun vs s1_bf16" in report
+    assert f"95 % interval of the mean [{100 * (0.0006 - half):+.3f} %, {100 * (0.0006 + half):+.3f} %] excludes 0" \
+        in report
     assert "within the BF16-vs-BF16 noise floor" in report
     assert not (tmp_path / "out" / "fp8_health.png").exists()  # no health in these logs
 
