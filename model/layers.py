@@ -94,15 +94,43 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & same_doc)[:, None]
 
 
+FLEX_BLOCK = 128  # FlexAttention's default block size (queries and keys)
+
+
+def _ordered_blocks(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, Qb, KVb] → (int32 [B, 1, Qb] count, int32 [B, 1, Qb, KVb] indices of the true blocks first,
+    ascending: the layout `create_block_mask` builds)."""
+    num = mask.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None], idx[:, None]
+
+
 def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
-    """doc_ids int [B, T] → the same document-causal mask as a FlexAttention BlockMask (128x128 blocks: blocks
-    outside every document are skipped, partial ones masked per element). No host sync."""
+    """doc_ids int [B, T], nondecreasing along T (the document index, as the loaders make them) → the
+    document-causal mask as a FlexAttention BlockMask (128x128 blocks: blocks outside every document are
+    skipped, blocks inside one document and below the diagonal need no mask, the rest are masked per element).
+
+    Built from each block's first and last document id, [B, T/128] values, instead of evaluating the mask on
+    all T² positions (`create_block_mask`: 8 ms per forward at T = 4096 on an H200). With nondecreasing ids a key
+    block j < i shares a document with query block i iff last_j == first_i, and is full iff, besides, both
+    blocks hold one document each. No host sync. T not a multiple of 128: `create_block_mask`."""
     B, T = doc_ids.shape
 
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
-    return create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+    if T % FLEX_BLOCK:
+        return create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+    blocks = doc_ids.view(B, T // FLEX_BLOCK, FLEX_BLOCK)
+    first, last = blocks[:, :, 0], blocks[:, :, -1]  # [B, nb]
+    i = torch.arange(T // FLEX_BLOCK, device=doc_ids.device)
+    below = (i[:, None] > i[None, :])[None]  # key block before query block: causal for every pair
+    shares = below & (last[:, None, :] == first[:, :, None])  # [B, q block, kv block]
+    one_doc = first == last
+    full = shares & one_doc[:, None, :] & one_doc[:, :, None]
+    partial = (shares & ~full) | torch.eye(len(i), dtype=torch.bool, device=doc_ids.device)[None]
+    return BlockMask.from_kv_blocks(*_ordered_blocks(partial), *_ordered_blocks(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=document_causal, seq_lengths=(T, T))
 
 
 def attention_mask(doc_ids: torch.Tensor | None, config: ModelConfig) -> AttentionMask:

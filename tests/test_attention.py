@@ -56,6 +56,34 @@ def test_flex_block_mask_equals_dense_document_mask_forward():
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("T, eos_rate", [(512, 0.002), (512, 0.03), (1024, 0.01), (384, 0.2)])
+def test_block_mask_from_document_bounds_equals_create_block_mask(T, eos_rate):
+    """The BlockMask built from each block's first/last document id is create_block_mask's, table for table
+    (partial and full blocks, both directions, same order), and attention through it is bit-identical. Rows:
+    random EOS positions, one document starting exactly at a block boundary, one single-document row."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    g = torch.Generator().manual_seed(T + int(1000 * eos_rate))
+    is_eos = (torch.rand(3, T, generator=g) < eos_rate).long()
+    is_eos[1] = 0
+    is_eos[1, 127] = is_eos[1, 255] = 1  # documents [0, 128), [128, 256), [256, T): boundaries on blocks
+    is_eos[2] = 0
+    doc_ids = torch.cumsum(is_eos, 1) - is_eos  # as the loader makes them (EOS closes its document)
+    ours = document_block_mask(doc_ids)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    ref = create_block_mask(document_causal, 3, None, T, T, device="cpu")
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name)), name
+    assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    q, k, v = (torch.randn(3, 2, T, 32, generator=g) for _ in range(3))
+    assert torch.equal(flex_attention(q, k, v, block_mask=ours), flex_attention(q, k, v, block_mask=ref))
+
+
 def test_attention_mask_choice_and_flex_training_on_cpu_fails_naming_the_key():
     doc_ids = packed_doc_ids()
     cfg = ModelConfig.preset("tiny", vocab_size=64)
