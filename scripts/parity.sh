@@ -18,6 +18,8 @@
 # JOBS (default 1) runs that many trainings concurrently on the same device(s); deterministic runs stay
 # bit-identical under concurrency (no kernel depends on timing). DET_RERUN_SEEDS (default none) adds, per seed, a
 # second deterministic BF16 run that must equal the first bit for bit: the check is printed and fails the script.
+# ARCHIVE=FILE.tgz (default none) packs every run's logs, config, evaluations and the reports (no checkpoints: a
+# few MB) so that runs made in separate sessions or machines can be compared together with `eval.py compare`.
 #
 # An ABLATIONS entry is a comma-separated list of fp8.ablate components (README "FP8 ablation") or, when it holds
 # '=', one Hydra override. Extra arguments are Hydra overrides given to every training run. Rerunning resumes or
@@ -34,6 +36,7 @@ PY=${PYTHON:-python}
 LAUNCH=${LAUNCH:-$PY}
 EVAL_BATCHES=${EVAL_BATCHES:-null}   # null = the whole held-out split once
 JOBS=${JOBS:-1}
+ARCHIVE=${ARCHIVE:-}
 DET_RERUN_SEEDS=${DET_RERUN_SEEDS-""}
 mkdir -p "$OUT"
 
@@ -88,3 +91,8 @@ for entry in $ABLATIONS; do
   $PY eval.py compare --pairs "${ablated[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report_no-${suffix}"
 done
 if [ -n "$ABLATIONS" ]; then $PY scripts/ablation_table.py "$OUT" | tee "$OUT/ablation.md"; fi
+if [ -n "$ARCHIVE" ]; then
+  tar czf "$ARCHIVE" --ignore-failed-read $(cd "$OUT" >/dev/null && ls -d */metrics.jsonl */resolved_config.yaml */eval \
+    */summary.json report* ablation.md *.log 2>/dev/null | sed "s#^#$OUT/#")
+  echo "archive: $ARCHIVE"
+fi
