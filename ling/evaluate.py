@@ -25,6 +25,7 @@ from torch import nn
 from model.ling import shift_left
 
 IGNORE_INDEX = -100
+MODES = ("loss", "step_error")  # eval.py mode=: held-out metrics | FP8's one-step error (ling/step_error.py)
 _ROWS_PER_CHUNK = 4  # sequences per CE chunk: bounds the fp32 copy of the logits (rows x T x V)
 
 
@@ -204,11 +205,15 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         suffix = f"-{precision}" if precision else ""
         out_default = ref.run_dir / "eval" / f"{tag}-{cfg.split}{suffix}.json"
 
+    mode = str(cfg.get("mode") or "loss")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is unknown (known: {', '.join(MODES)})")
     device_cfg = OmegaConf.create({"train": {"device": cfg.device}})
     from ling.engine import resolve_device
 
     device = resolve_device(device_cfg)
-    dtype = _dtype(str(cfg.dtype), device)
+    # step_error: the fp32 reference holds the checkpoint's weights exactly; its bf16 / fp8 twins are cast from it
+    dtype = torch.float32 if mode == "step_error" else _dtype(str(cfg.dtype), device)
     with torch.device(device):
         model = LingForCausalLM(model_config).to(dtype)
     if state is not None:
@@ -226,6 +231,9 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
                           seed=int(run_cfg.train.seed), split=str(cfg.split))
     max_batches = cfg.batches if cfg.batches is not None else (50 if data_cfg.get("name") == "synthetic" else None)
     steps = split_steps(loader, max_batches)
+    if mode == "step_error":
+        return _run_step_error(cfg, model, model_config, split_batches(loader, steps), steps, device,
+                               out_default.with_name(out_default.stem + "-step_error.json"), source, tag, step)
     metrics = evaluate(model, split_batches(loader, steps), device, max_batches=steps,
                        progress=bool(cfg.progress_bar) and rank == 0)
     record = {
@@ -239,6 +247,36 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         _atomic_write_json(out, record)
         record["output"] = str(out)
         print(format_metrics(record))
+    return record
+
+
+def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, batches: Iterable, steps: int,
+                    device: torch.device, out_default: Path, source: Path, tag: Any, step: Any) -> dict[str, Any]:
+    """eval.py mode=step_error (ling/step_error.py): the loaded fp32 model, its bf16 twin and its FP8 twin."""
+    from ling.step_error import format_step_errors, step_errors
+    from model.ling import LingForCausalLM
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("mode=step_error runs on one process (launch it with python, not torchrun)")
+    fp8_config = model_config.replace(precision="fp8", fp8_recipe=cfg.fp8.recipe,
+                                      fp8_pow2_scales=bool(cfg.fp8.pow2_scales)) if cfg.get("fp8") else \
+        model_config.replace(precision="fp8")
+    models: dict[str, nn.Module] = {}
+    for name, config, dtype in (("fp32", model_config.replace(precision="bf16"), torch.float32),
+                                ("bf16", model_config.replace(precision="bf16"), torch.bfloat16),
+                                ("fp8", fp8_config, torch.bfloat16)):
+        with torch.device(device):
+            models[name] = LingForCausalLM(config).to(dtype)
+        models[name].load_state_dict(reference.state_dict())  # nn.Linear and FP8Linear share a state_dict
+    del reference
+    t0 = time.perf_counter()
+    record = {"checkpoint": str(source), "tag": tag, "step": step, "split": str(cfg.split), "mode": "step_error",
+              "device": device.type, **step_errors(models, batches, device, steps)}
+    record["seconds"] = time.perf_counter() - t0
+    out = Path(cfg.output) if cfg.get("output") else out_default
+    _atomic_write_json(out, record)
+    record["output"] = str(out)
+    print(format_step_errors(record))
     return record
 
 

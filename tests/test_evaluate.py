@@ -227,3 +227,62 @@ def test_compare_real_runs_with_held_out_losses(tiny_runs):
     assert pair["steps"] == 3 and pair["held_out_a"] is not None and pair["held_out_b"] is not None
     assert (tiny_runs / "cmp" / "fp8_health.png").is_file()  # the FP8 run logged health every step
     assert "WARNING" not in proc.stdout  # the twins differ only in precision / optimizer / run name
+
+
+class _Toy(torch.nn.Module):
+    """loss = scale · Σ_layers ⟨w, x⟩ with x the batch's float input ids: gradient scale · Σx per weight."""
+
+    def __init__(self, scale: float, w: torch.Tensor) -> None:
+        super().__init__()
+        self.scale = scale
+        self.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.layers[0].attention = torch.nn.Linear(4, 1, bias=False, dtype=torch.float64)
+        self.lm_head = torch.nn.Linear(4, 1, bias=False, dtype=torch.float64)
+        with torch.no_grad():
+            self.layers[0].attention.weight.copy_(w)
+            self.lm_head.weight.copy_(w)
+
+    def forward(self, input_ids, labels=None, doc_ids=None):
+        from types import SimpleNamespace
+
+        x = input_ids.double()  # float64: the expected figures hold to ~1e-15
+        return SimpleNamespace(loss=self.scale * (self.layers[0].attention(x).sum() + 2 * self.lm_head(x).sum()))
+
+
+def test_step_errors_against_hand_computed_values():
+    """A candidate whose loss is the reference's times (1 + δ) on every batch: relative loss difference δ (its
+    interval collapses to δ), gradient relative error δ, cosine 1; a copy of the reference: 0 and 1. Parameter
+    groups follow the names."""
+    from ling.step_error import step_errors
+
+    w = torch.tensor([[0.5, -1.0, 2.0, 0.25]])
+    models = {"fp32": _Toy(1.0, w), "bf16": _Toy(1.0, w), "fp8": _Toy(1.0 + 1e-3, w)}
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(1, 9, (3, 4), generator=g), "labels": torch.zeros(3, 4)} for _ in range(4)]
+    rec = step_errors(models, batches, "cpu", max_batches=3)
+    assert rec["batches"] == 3 and len(rec["loss"]["fp32"]) == 3
+    assert rec["loss_rel"]["bf16"]["mean"] == 0 and rec["loss_rel"]["fp8"]["mean"] == pytest.approx(1e-3, rel=1e-9)
+    assert rec["loss_rel"]["fp8"]["ci_high"] - rec["loss_rel"]["fp8"]["ci_low"] < 1e-12
+    assert rec["loss_rel"]["fp8_vs_bf16"]["mean"] == pytest.approx(1e-3, rel=1e-9)
+    assert set(rec["grad_rel_err"]["fp8"]) == {"all", "attention", "LM head"}
+    for group in ("all", "attention", "LM head"):
+        assert rec["grad_rel_err"]["bf16"][group] == 0 and rec["grad_cosine"]["bf16"][group] == pytest.approx(1.0)
+        assert rec["grad_rel_err"]["fp8"][group] == pytest.approx(1e-3, rel=1e-6)
+        assert rec["grad_cosine"]["fp8"][group] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_eval_step_error_mode_end_to_end(tiny_runs):
+    """mode=step_error on a BF16 run's checkpoint: every parameter group, errors in (0, 1), the FP8 twin's loss
+    within a few % of fp32's, the same figures when run twice (CPU: deterministic), and the JSON written."""
+    run = tiny_runs / "bf16"
+    rec = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error"))
+    again = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error", output=run / "se2.json"))
+    assert rec["loss"] == again["loss"] and rec["grad_rel_err"] == again["grad_rel_err"]
+    assert set(rec["grad_rel_err"]["fp8"]) == {"all", "routed experts", "router", "attention", "norms", "embedding",
+                                               "dense MLP + shared experts", "LM head", "MTP projection"}
+    for c in ("bf16", "fp8"):
+        assert 0 < rec["grad_rel_err"][c]["all"] < 1 and rec["grad_cosine"][c]["all"] > 0.5
+        assert abs(rec["loss_rel"][c]["mean"]) < 0.05
+    assert json.loads((run / "eval" / "step00000003-val-step_error.json").read_text())["mode"] == "step_error"
+    with pytest.raises(ValueError, match="mode='grads' is unknown"):
+        run_eval(eval_cfg(checkpoint=run, batches=1, mode="grads"))

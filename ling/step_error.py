@@ -1,0 +1,150 @@
+"""FP8's error on one training step with the weights held fixed: `python eval.py checkpoint=RUN mode=step_error`.
+
+A parity run compares whole trajectories, and training amplifies any perturbation (kernel nondeterminism
+included) into loss differences of ~0.5 % after a few hundred steps (README "FP8 vs BF16"), so it resolves
+FP8's own error only with very many seeds. This measures the error where it arises instead. The same checkpoint
+weights go into three copies of the model:
+- `fp32`: nn.Linear, fp32 weights and activations (the reference);
+- `bf16`: nn.Linear in bf16, the BF16 recipe's numerics;
+- `fp8`: the FP8 recipe (blockwise FP8 linears and experts) with bf16 weights, the FP8 recipe's numerics.
+Each computes the training loss and its gradient on the same held-out batches. Reported per batch and
+averaged: the relative loss difference of `bf16` and `fp8` against `fp32` (mean and 95 % t-interval over
+batches), and the gradient's relative error ‖g − g_fp32‖ / ‖g_fp32‖ and cosine similarity, overall and per
+parameter group. BF16's own error is the yardstick: an FP8 error of the same order per step is the most a
+BF16 run could hope to match.
+
+Memory: three models and their gradients, plus one fp32 gradient copy (fine for the parity model; a
+5B-parameter model needs ~70 GB).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+REFERENCE = "fp32"
+CANDIDATES = ("bf16", "fp8")
+
+
+def parameter_group(name: str) -> str:
+    """A parameter's group in the report: routed experts, router, attention, dense MLP / shared experts,
+    embedding, LM head, MTP projection, norms."""
+    if ".experts." in name:
+        return "routed experts"
+    if ".router." in name:
+        return "router"
+    if "norm" in name:
+        return "norms"
+    if ".attention." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "dense MLP + shared experts"
+    if name.startswith("word_embeddings"):
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "LM head"
+    return "MTP projection" if "eh_proj" in name else "other"
+
+
+@dataclass
+class _Sums:
+    """Per candidate: Σ‖g − g_ref‖², Σ‖g_ref‖², Σ⟨g, g_ref⟩, Σ‖g‖² per group (float64), over all batches."""
+
+    diff: dict[str, float] = field(default_factory=dict)
+    ref: dict[str, float] = field(default_factory=dict)
+    dot: dict[str, float] = field(default_factory=dict)
+    own: dict[str, float] = field(default_factory=dict)
+
+    def add(self, group: str, g: torch.Tensor, g_ref: torch.Tensor) -> None:
+        g, g_ref = g.double(), g_ref.double()
+        for acc, value in ((self.diff, (g - g_ref).square().sum()), (self.ref, g_ref.square().sum()),
+                           (self.dot, (g * g_ref).sum()), (self.own, g.square().sum())):
+            acc[group] = acc.get(group, 0.0) + float(value)
+
+    def rel_err(self, group: str | None = None) -> float:
+        d, r = (self.diff, self.ref) if group is None else ({group: self.diff[group]}, {group: self.ref[group]})
+        return math.sqrt(sum(d.values()) / max(sum(r.values()), 1e-300))
+
+    def cosine(self, group: str | None = None) -> float:
+        keys = list(self.dot) if group is None else [group]
+        den = math.sqrt(sum(self.own[k] for k in keys) * sum(self.ref[k] for k in keys))
+        return sum(self.dot[k] for k in keys) / max(den, 1e-300)
+
+
+def _mean_ci(values: list[float]) -> dict[str, float]:
+    from scipy import stats
+
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    half = float(stats.t.ppf(0.975, n - 1)) * std / math.sqrt(n) if n > 1 else math.nan
+    return {"mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half, "n": n}
+
+
+def _loss_and_grads(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return float(out.loss.detach()), grads
+
+
+def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, torch.Tensor]],
+                device: torch.device | str, max_batches: int) -> dict[str, Any]:
+    """models: {"fp32": reference, "bf16": ..., "fp8": ...} holding the same weights; batches: the loader's dicts.
+    → the record described in the module doc (losses per batch and model, relative loss differences with their
+    intervals, gradient relative errors and cosines overall and per group)."""
+    for m in models.values():
+        m.train()
+    candidates = [c for c in models if c != REFERENCE]
+    losses: dict[str, list[float]] = {name: [] for name in models}
+    sums = {c: _Sums() for c in candidates}
+    n = 0
+    for batch in batches:
+        if n >= max_batches:
+            break
+        batch = {k: v.to(device) for k, v in batch.items()}
+        ref_loss, ref_grads = _loss_and_grads(models[REFERENCE], batch)
+        ref_grads = {k: g.detach().float().clone() for k, g in ref_grads.items()}
+        losses[REFERENCE].append(ref_loss)
+        for c in candidates:
+            loss, grads = _loss_and_grads(models[c], batch)
+            losses[c].append(loss)
+            for name, g_ref in ref_grads.items():
+                g = grads.get(name)
+                sums[c].add(parameter_group(name), torch.zeros_like(g_ref) if g is None else g, g_ref)
+            models[c].zero_grad(set_to_none=True)
+        n += 1
+    if n == 0:
+        raise ValueError("step_error: no batches to evaluate")
+    rel = {c: _mean_ci([a / b - 1 for a, b in zip(losses[c], losses[REFERENCE])]) for c in candidates}
+    if {"fp8", "bf16"} <= set(candidates):
+        rel["fp8_vs_bf16"] = _mean_ci([a / b - 1 for a, b in zip(losses["fp8"], losses["bf16"])])
+    groups = sorted(sums[candidates[0]].ref)
+    return {
+        "batches": n, "loss": losses, "loss_rel": rel,
+        "grad_rel_err": {c: {"all": sums[c].rel_err(), **{g: sums[c].rel_err(g) for g in groups}} for c in candidates},
+        "grad_cosine": {c: {"all": sums[c].cosine(), **{g: sums[c].cosine(g) for g in groups}} for c in candidates},
+    }
+
+
+def format_step_errors(record: Mapping[str, Any]) -> str:
+    """Markdown: the loss table (mean relative difference ± 95 % interval) and the gradient table per group."""
+    cands = list(record["grad_rel_err"])
+    pct = lambda x: f"{100 * x:+.4f} %"  # noqa: E731
+    lines = [f"FP8 and BF16 against fp32 on the same weights, {record['batches']} batches", "",
+             "| loss | mean rel. diff | 95 % interval |", "|---|---|---|"]
+    for key, r in record["loss_rel"].items():
+        label = "fp8 vs bf16" if key == "fp8_vs_bf16" else f"{key} vs fp32"
+        lines.append(f"| {label} | {pct(r['mean'])} | [{pct(r['ci_low'])}, {pct(r['ci_high'])}] |")
+    lines += ["", "| gradient group | " + " | ".join(f"{c}: rel. err / cosine" for c in cands) + " |",
+              "|---|" + "---|" * len(cands)]
+    for g in record["grad_rel_err"][cands[0]]:
+        cells = [f"{record['grad_rel_err'][c][g]:.3e} / {record['grad_cosine'][c][g]:.6f}" for c in cands]
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
