@@ -250,9 +250,28 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     return record
 
 
+def _step_error_ablations(cfg: DictConfig) -> list[frozenset[str]]:
+    """`step_error_ablate`: entries of comma-separated FP8 components (README "FP8 ablation"), each one more FP8
+    copy with those components in high precision."""
+    from fp8.linear import ABLATION_COMPONENTS
+    from ling.engine import EXPERTS_ABLATION
+
+    known = (*ABLATION_COMPONENTS, EXPERTS_ABLATION)
+    out = []
+    for entry in cfg.get("step_error_ablate") or ():
+        parts = frozenset(str(entry).split(","))
+        unknown = sorted(parts - set(known))
+        if unknown:
+            raise ValueError(f"step_error_ablate: unknown component(s) {unknown} in {entry!r}; known: {list(known)} "
+                             "(the optimizer's adam_m / adam_v play no part in one step's error)")
+        out.append(parts)
+    return out
+
+
 def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, batches: Iterable, steps: int,
                     device: torch.device, out_default: Path, source: Path, tag: Any, step: Any) -> dict[str, Any]:
     """eval.py mode=step_error (ling/step_error.py): the loaded fp32 model, its bf16 twin and its FP8 twin."""
+    from ling.engine import apply_fp8_ablation
     from ling.step_error import format_step_errors, step_errors
     from model.ling import LingForCausalLM
 
@@ -261,13 +280,16 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
     fp8_config = model_config.replace(precision="fp8", fp8_recipe=cfg.fp8.recipe,
                                       fp8_pow2_scales=bool(cfg.fp8.pow2_scales)) if cfg.get("fp8") else \
         model_config.replace(precision="fp8")
+    variants = [("fp32", model_config.replace(precision="bf16"), torch.float32, frozenset()),
+                ("bf16", model_config.replace(precision="bf16"), torch.bfloat16, frozenset()),
+                ("fp8", fp8_config, torch.bfloat16, frozenset())]
+    variants += [(f"fp8-no-{'+'.join(sorted(a))}", fp8_config, torch.bfloat16, a) for a in _step_error_ablations(cfg)]
     models: dict[str, nn.Module] = {}
-    for name, config, dtype in (("fp32", model_config.replace(precision="bf16"), torch.float32),
-                                ("bf16", model_config.replace(precision="bf16"), torch.bfloat16),
-                                ("fp8", fp8_config, torch.bfloat16)):
+    for name, config, dtype, ablate in variants:
         with torch.device(device):
             models[name] = LingForCausalLM(config).to(dtype)
         models[name].load_state_dict(reference.state_dict())  # nn.Linear and FP8Linear share a state_dict
+        apply_fp8_ablation(models[name], ablate)
     del reference
     t0 = time.perf_counter()
     record = {"checkpoint": str(source), "tag": tag, "step": step, "split": str(cfg.split), "mode": "step_error",

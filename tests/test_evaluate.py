@@ -286,3 +286,15 @@ def test_eval_step_error_mode_end_to_end(tiny_runs):
     assert json.loads((run / "eval" / "step00000003-val-step_error.json").read_text())["mode"] == "step_error"
     with pytest.raises(ValueError, match="mode='grads' is unknown"):
         run_eval(eval_cfg(checkpoint=run, batches=1, mode="grads"))
+
+
+def test_step_error_ablation_copies(tiny_runs):
+    """step_error_ablate: a backward-only component (dgrad) leaves every loss exactly as the full FP8 copy's and
+    changes the gradient; the forward's x quantization changes the loss; an unknown component is refused."""
+    run = tiny_runs / "bf16"
+    rec = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error", output=run / "se3.json",
+                            step_error_ablate="[dgrad_dy,fwd_x]"))
+    assert rec["loss"]["fp8-no-dgrad_dy"] == rec["loss"]["fp8"] != rec["loss"]["fp8-no-fwd_x"]
+    assert rec["grad_rel_err"]["fp8-no-dgrad_dy"]["all"] != rec["grad_rel_err"]["fp8"]["all"]
+    with pytest.raises(ValueError, match=r"step_error_ablate: unknown component\(s\) \['adam_v'\]"):
+        run_eval(eval_cfg(checkpoint=run, batches=1, mode="step_error", step_error_ablate="[adam_v]"))
