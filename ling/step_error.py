@@ -10,7 +10,8 @@ weights go into three copies of the model:
 Each computes the training loss and its gradient on the same held-out batches. Reported per batch and
 averaged: the relative loss difference of `bf16` and `fp8` against `fp32` (mean and 95 % t-interval over
 batches), and the gradient's relative error ‖g − g_fp32‖ / ‖g_fp32‖ and cosine similarity, overall and per
-parameter group. BF16's own error is the yardstick: an FP8 error of the same order per step is the most a
+parameter group, and the share of token→expert assignments that differ from the fp32 model's (a perturbation that
+flips a routing decision moves a whole token between experts). BF16's own error is the yardstick: an FP8 error of the same order per step is the most a
 BF16 run could hope to match.
 
 Memory: three models and their gradients, plus one fp32 gradient copy (fine for the parity model; a
@@ -86,12 +87,31 @@ def _mean_ci(values: list[float]) -> dict[str, float]:
     return {"mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half, "n": n}
 
 
-def _loss_and_grads(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    out = model(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
-    out.loss.backward()
+def _loss_and_grads(model: nn.Module, batch: Mapping[str, torch.Tensor]
+                    ) -> tuple[float, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """→ (loss, gradients by parameter name, each router's chosen experts int64 [N, k] in forward order)."""
+    routes: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: routes.append(out.topk_idx.detach()))
+             for m in model.modules() if type(m).__name__ == "Router"]
+    try:
+        model.zero_grad(set_to_none=True)
+        out = model(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
+        out.loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return float(out.loss.detach()), grads
+    return float(out.loss.detach()), grads, routes
+
+
+def _changed_assignments(routes: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[int, int]:
+    """(token-expert assignments of `routes` absent from `ref`'s choice for the same token, all assignments)."""
+    changed = total = 0
+    for r, r0 in zip(routes, ref):
+        same = (r[:, :, None] == r0[:, None, :]).any(-1)  # [N, k]: this pick is among the reference's picks
+        changed += int((~same).sum())
+        total += same.numel()
+    return changed, total
 
 
 def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, torch.Tensor]],
@@ -104,17 +124,21 @@ def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, 
     candidates = [c for c in models if c != REFERENCE]
     losses: dict[str, list[float]] = {name: [] for name in models}
     sums = {c: _Sums() for c in candidates}
+    flips = {c: [0, 0] for c in candidates}
     n = 0
     for batch in batches:
         if n >= max_batches:
             break
         batch = {k: v.to(device) for k, v in batch.items()}
-        ref_loss, ref_grads = _loss_and_grads(models[REFERENCE], batch)
+        ref_loss, ref_grads, ref_routes = _loss_and_grads(models[REFERENCE], batch)
         ref_grads = {k: g.detach().float().clone() for k, g in ref_grads.items()}
         losses[REFERENCE].append(ref_loss)
         for c in candidates:
-            loss, grads = _loss_and_grads(models[c], batch)
+            loss, grads, routes = _loss_and_grads(models[c], batch)
             losses[c].append(loss)
+            changed, total = _changed_assignments(routes, ref_routes)
+            flips[c][0] += changed
+            flips[c][1] += total
             for name, g_ref in ref_grads.items():
                 g = grads.get(name)
                 sums[c].add(parameter_group(name), torch.zeros_like(g_ref) if g is None else g, g_ref)
@@ -128,6 +152,8 @@ def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, 
     groups = sorted(sums[candidates[0]].ref)
     return {
         "batches": n, "loss": losses, "loss_rel": rel,
+        # share of token→expert assignments (all routers, all tokens) that differ from the fp32 model's
+        "routing_changed": {c: f[0] / f[1] if f[1] else None for c, f in flips.items()},
         "grad_rel_err": {c: {"all": sums[c].rel_err(), **{g: sums[c].rel_err(g) for g in groups}} for c in candidates},
         "grad_cosine": {c: {"all": sums[c].cosine(), **{g: sums[c].cosine(g) for g in groups}} for c in candidates},
     }
@@ -142,6 +168,9 @@ def format_step_errors(record: Mapping[str, Any]) -> str:
     for key, r in record["loss_rel"].items():
         label = "fp8 vs bf16" if key == "fp8_vs_bf16" else f"{key} vs fp32"
         lines.append(f"| {label} | {pct(r['mean'])} | [{pct(r['ci_low'])}, {pct(r['ci_high'])}] |")
+    if any(v is not None for v in record.get("routing_changed", {}).values()):
+        lines += ["", "Token→expert assignments that differ from fp32's: " + ", ".join(
+            f"{c} {100 * v:.2f} %" for c, v in record["routing_changed"].items() if v is not None)]
     lines += ["", "| gradient group | " + " | ".join(f"{c}: rel. err / cosine" for c in cands) + " |",
               "|---|" + "---|" * len(cands)]
     for g in record["grad_rel_err"][cands[0]]:

@@ -265,10 +265,21 @@ def test_step_errors_against_hand_computed_values():
     assert rec["loss_rel"]["fp8"]["ci_high"] - rec["loss_rel"]["fp8"]["ci_low"] < 1e-12
     assert rec["loss_rel"]["fp8_vs_bf16"]["mean"] == pytest.approx(1e-3, rel=1e-9)
     assert set(rec["grad_rel_err"]["fp8"]) == {"all", "attention", "LM head"}
+    assert rec["routing_changed"] == {"bf16": None, "fp8": None}  # no router in the toy
     for group in ("all", "attention", "LM head"):
         assert rec["grad_rel_err"]["bf16"][group] == 0 and rec["grad_cosine"]["bf16"][group] == pytest.approx(1.0)
         assert rec["grad_rel_err"]["fp8"][group] == pytest.approx(1e-3, rel=1e-6)
         assert rec["grad_cosine"]["fp8"][group] == pytest.approx(1.0, abs=1e-12)
+
+
+def test_changed_routing_assignments_by_hand():
+    from ling.step_error import _changed_assignments
+
+    ref = [torch.tensor([[0, 1], [2, 3]]), torch.tensor([[5, 4]])]
+    same_sets = [torch.tensor([[1, 0], [2, 3]]), torch.tensor([[4, 5]])]  # order within a token does not count
+    moved = [torch.tensor([[0, 7], [6, 7]]), torch.tensor([[5, 4]])]  # 1 + 2 picks absent from the reference's
+    assert _changed_assignments(same_sets, ref) == (0, 6)
+    assert _changed_assignments(moved, ref) == (3, 6)
 
 
 def test_eval_step_error_mode_end_to_end(tiny_runs):
@@ -283,6 +294,7 @@ def test_eval_step_error_mode_end_to_end(tiny_runs):
     for c in ("bf16", "fp8"):
         assert 0 < rec["grad_rel_err"][c]["all"] < 1 and rec["grad_cosine"][c]["all"] > 0.5
         assert abs(rec["loss_rel"][c]["mean"]) < 0.05
+        assert 0 <= rec["routing_changed"][c] < 0.5
     assert json.loads((run / "eval" / "step00000003-val-step_error.json").read_text())["mode"] == "step_error"
     with pytest.raises(ValueError, match="mode='grads' is unknown"):
         run_eval(eval_cfg(checkpoint=run, batches=1, mode="grads"))
