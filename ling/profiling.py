@@ -137,6 +137,13 @@ class ProfileSummary:
     cuda: bool
     wall_ms: float | None = None  # per step
     busy_ms: float | None = None
+    host_parts: dict[str, dict[str, float]] | None = None  # CUDA only: the ops' CPU self time per part, µs
+
+    @property
+    def host_ms(self) -> float | None:
+        if self.host_parts is None:
+            return None
+        return sum(sum(k.values()) for k in self.host_parts.values()) / self.steps / 1e3
 
     @property
     def unit(self) -> str:
@@ -150,11 +157,17 @@ class ProfileSummary:
         """Parts, largest first: {part, ms (per step), share, top: [{kernel, ms}]}."""
         total = self.total_ms or 1.0
         out = []
-        for part, kernels in sorted(self.parts.items(), key=lambda kv: -sum(kv[1].values())):
+        host = self.host_parts
+        names = set(self.parts) | set(host or ())
+        for part in sorted(names, key=lambda p: (-sum(self.parts.get(p, {}).values()), p)):
+            kernels = self.parts.get(part, {})
             ms = sum(kernels.values()) / self.steps / 1e3
             best = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-            out.append({"part": part, "ms": ms, "share": ms / total,
-                        "top": [{"kernel": n, "ms": us / self.steps / 1e3} for n, us in best]})
+            row = {"part": part, "ms": ms, "share": ms / total,
+                   "top": [{"kernel": n, "ms": us / self.steps / 1e3} for n, us in best]}
+            if host is not None:
+                row["host_ms"] = sum(host.get(part, {}).values()) / self.steps / 1e3
+            out.append(row)
         return out
 
     def top_kernels(self, n: int = 15) -> list[dict[str, Any]]:
@@ -173,25 +186,30 @@ class ProfileSummary:
 
     def to_dict(self, top_parts: int = 3, top_overall: int = 15) -> dict[str, Any]:
         return {"unit": self.unit, "steps": self.steps, "total_ms": self.total_ms, "wall_ms": self.wall_ms,
-                "busy_ms": self.busy_ms,
+                "busy_ms": self.busy_ms, "host_ms": self.host_ms,
                 "busy_over_wall": self.busy_ms / self.wall_ms if self.busy_ms is not None and self.wall_ms else None,
                 "parts": self.grouped(top_parts), "top_kernels": self.top_kernels(top_overall)}
 
     def part_rows(self, top: int = 3) -> list[list[str]]:
         """The grouped table's rows (part, ms, share, top kernels) and a total row."""
-        rows = [[g["part"], f"{g['ms']:.1f}", f"{g['share']:.0%}",
+        host = self.host_parts is not None
+        rows = [[g["part"], f"{g['ms']:.1f}", f"{g['share']:.0%}", *([f"{g['host_ms']:.1f}"] if host else []),
                  "; ".join(f"{_short(k['kernel'])} {k['ms']:.1f}" for k in g["top"])] for g in self.grouped(top)]
-        return rows + [["**total**", f"{self.total_ms:.1f}", "100%", ""]]
+        return rows + [["**total**", f"{self.total_ms:.1f}", "100%", *([f"{self.host_ms:.1f}"] if host else []), ""]]
 
     def markdown(self, title: str, top_overall: int = 15) -> str:
         """The grouped table, GPU busy vs wall, the top kernels overall."""
         unit = self.unit
+        host = ["host ms (ops' CPU self time)"] if self.host_parts is not None else []
         lines = [f"### {title} ({unit} per step)", "",
-                 markdown(["part", unit, "share", f"top kernels ({unit})"], self.part_rows()), ""]
+                 markdown(["part", unit, "share", *host, f"top kernels ({unit})"], self.part_rows()), ""]
         if self.busy_ms is not None and self.wall_ms:
             lines += [f"GPU busy {self.busy_ms:.1f} ms of {self.wall_ms:.1f} ms wall per step "
                       f"({self.busy_ms / self.wall_ms:.0%}; the union of all device intervals; the wall time "
                       "includes the profiler's own overhead)", ""]
+        if self.host_ms is not None and self.wall_ms:
+            lines += [f"Host: the ops' CPU self time is {self.host_ms:.1f} ms of the {self.wall_ms:.1f} ms wall; the "
+                      "rest is Python and framework time between ops, waits, and the profiler's overhead", ""]
         elif self.wall_ms:
             lines += [f"wall {self.wall_ms:.1f} ms per step (no GPU: CPU self time of the ops above)", ""]
         rows = [[_short(k["kernel"], 80), f"{k['ms']:.2f}", f"{k['share']:.1%}", _main_parts(k["ms"], k["parts"])]
@@ -205,7 +223,8 @@ def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> Pr
     events = list(events)
     return ProfileSummary(attribute(events, cuda), steps, cuda,
                           wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
-                          busy_ms=busy_us(events) / steps / 1e3 if cuda else None)
+                          busy_ms=busy_us(events) / steps / 1e3 if cuda else None,
+                          host_parts=attribute(events, cuda=False) if cuda else None)
 
 
 @contextlib.contextmanager

@@ -196,4 +196,13 @@ def test_cuda_kernels_go_to_their_forward_part_grad_reduction_and_other():
     assert data["busy_over_wall"] == pytest.approx(14 / 40)
     assert [k["kernel"] for k in data["top_kernels"][:2]] == ["gemm_dgrad", "gemm_fwd"]
     assert "GPU busy 0.0 ms of 0.0 ms wall per step (35%" in summary.markdown("t")
+    # host: each CPU op's self time (here its span) goes to the same part as its kernels; totals 12 µs / 2 steps
+    assert {p: dict(k) for p, k in summary.host_parts.items()} == {
+        "experts": {"aten::mm": 2.0, "cudaLaunchKernel": 1.0, "MmBackward0": 4.0}, "dispatch": {"aten::index": 1.0},
+        GRAD_REDUCE: {"aten::add_": 1.0, "aten::copy_": 1.0}, "other": {"aten::copy_": 1.0},
+        "optimizer (DeepSpeed step)": {"aten::_fused_adamw_": 1.0},
+    }
+    assert data["host_ms"] == pytest.approx(12 / 2 / 1e3)
+    assert {g["part"]: g["host_ms"] for g in data["parts"]}["experts"] == pytest.approx(7 / 2 / 1e3)
+    assert "host ms (ops' CPU self time)" in summary.markdown("t")
 
