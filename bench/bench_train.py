@@ -2,11 +2,13 @@
 
     python bench/bench_train.py [--model ling_mini_2_0_e64] [--steps 12] [--warmup 4] [--seq-len 4096]
         [--micro 1] [--grad-accum 8] [--variants bf16,fp8,bf16_nomtp,fp8_nomtp,bf16@2,fp8@4] [--profile fp8]
-        [--extra 'key=value ...'] [--device cuda]
+        [--extra 'key=value ...'] [--device cuda] [--max-micro 64]
 
 A variant is a name from VARIANTS, optionally `_nomtp` (`model.num_mtp_layers=0`) and `@M` (that row runs at
 `train.micro_batch_size=M` instead of `--micro`; grad_accum stays `--grad-accum`, so the tokens per optimizer
-step grow with M). Each is a fresh `python train.py` process (so peak memory is its own) on synthetic data;
+step grow with M), or `@max` (the largest micro-batch that fits: doubled from `--micro` in 2-step trials until
+one runs out of memory or passes `--max-micro`, then measured; the trials are listed under the table). Each is a
+fresh `python train.py` process (so peak memory is its own) on synthetic data;
 the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU),
 the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
 speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
@@ -45,14 +47,36 @@ OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a child is its own 1-rank run
 
 
-def parse_variant(spec: str, default_micro: int) -> tuple[str, bool, int]:
-    """'fp8_nomtp@4' → ('fp8', no MTP, micro-batch 4)."""
+MAX = "max"  # NAME@max: the largest micro-batch that fits (found by doubling)
+
+
+def parse_variant(spec: str, default_micro: int) -> tuple[str, bool, int | None]:
+    """'fp8_nomtp@4' → ('fp8', no MTP, micro-batch 4); 'fp8@max' → ('fp8', MTP, None: to be searched)."""
     name, at, micro = spec.partition("@")
     base = name.removesuffix(NO_MTP)
-    if base not in VARIANTS or (at and not (micro.isdigit() and int(micro) > 0)):
-        raise SystemExit(f"--variants: {spec!r} is not NAME[{NO_MTP}][@MICRO] with NAME in {', '.join(VARIANTS)} "
-                         "and MICRO a positive integer")
-    return base, name != base, int(micro) if micro else default_micro
+    if base not in VARIANTS or (at and micro != MAX and not (micro.isdigit() and int(micro) > 0)):
+        raise SystemExit(f"--variants: {spec!r} is not NAME[{NO_MTP}][@MICRO|@{MAX}] with NAME in "
+                         f"{', '.join(VARIANTS)} and MICRO a positive integer")
+    return base, name != base, None if micro == MAX else int(micro) if micro else default_micro
+
+
+def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
+    """For 'NAME[_nomtp]@max': double the micro-batch from --micro (short trial runs of 2 steps: the optimizer
+    state and the activations are allocated by then) until one runs out of memory or --max-micro is passed →
+    (the largest that fitted or None, the trials' log lines). `run` (default run_variant) is for tests."""
+    run = run or run_variant
+    name = spec.partition("@")[0]
+    trial = argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0})
+    fits, log, micro = None, [], args.micro
+    while micro <= args.max_micro:
+        result = run(f"{name}@{micro}", trial)
+        log.append(f"{name}@{micro}: {result.get('error', 'fits')}")
+        if "error" in result:
+            if result["error"] != "OOM":
+                raise SystemExit(f"{spec}: the trial at micro-batch {micro} failed: {result['error']}")
+            break
+        fits, micro = micro, micro * 2
+    return fits, log
 
 
 def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
@@ -126,6 +150,20 @@ def table_rows(results: list[dict]) -> list[list[str]]:
     return rows
 
 
+def largest_vs_largest(results: list[dict]) -> list[str]:
+    """For each NAME[_nomtp]@max row beside a bf16[_nomtp]@max row: its tokens/s against BF16's, each at its own
+    largest micro-batch (the issue's "FP8 at its largest vs BF16 at its largest")."""
+    largest = {r["largest_of"].partition("@")[0]: r for r in results if "largest_of" in r and "error" not in r}
+    lines = []
+    for name, r in largest.items():
+        base = largest.get("bf16" + (NO_MTP if name.endswith(NO_MTP) else ""))
+        if base is not None and base is not r:
+            lines.append(f"{name} at its largest micro-batch ({r['micro']}) vs {base['variant'].partition('@')[0]} "
+                         f"at its largest ({base['micro']}): {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+                         f"tokens/s, {r['peak_mem_gib'] / base['peak_mem_gib']:.2f}x peak memory")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="ling_mini_2_0_e64")
@@ -139,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default=None, metavar="VARIANT", help="one of --variants, profiled once")
     ap.add_argument("--extra", default="model.activation_checkpointing=true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-micro", type=int, default=64, help="upper bound of the NAME@max search")
     args = ap.parse_args(argv)
     specs = args.variants.split(",")
     for spec in specs:
@@ -151,11 +190,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile is not None and args.steps < max(args.warmup + 2, 2):
         raise SystemExit(f"--profile needs --steps >= --warmup + 2 (the last step, {args.steps}, is profiled and "
                          "left out of the medians)")
-    results = [run_variant(s, args, profile_step if s == args.profile else None) for s in specs]
+    results, searched = [], []
+    for s in specs:
+        if parse_variant(s, args.micro)[2] is None:  # NAME@max: search, then measure the largest that fits
+            fits, log = largest_micro(s, args)
+            searched += log
+            if fits is None:
+                results.append({"variant": s, "micro": args.micro, "error": "OOM"})
+                continue
+            results.append({**run_variant(f"{s.partition('@')[0]}@{fits}", args), "largest_of": s})
+            continue
+        results.append(run_variant(s, args, profile_step if s == args.profile else None))
 
     print(f"\n### {args.model}, seq {args.seq_len} x micro-batch (per row) x grad_accum {args.grad_accum}, "
           f"{args.steps} steps (medians after {args.warmup}; tokens per step grow with the micro-batch)\n")
     print(markdown(HEADER, table_rows(results)))
+    for line in largest_vs_largest(results):
+        print("\n" + line)
+    if searched:
+        print(f"\nLargest micro-batch search (2-step trials, doubling up to --max-micro {args.max_micro}): "
+              + "; ".join(searched))
     for r in results:
         if "profile" in r:
             path, text = r["profile"]

@@ -27,9 +27,43 @@ def test_variant_specs():
     args = type("Args", (), {"micro": 2})()
     assert bench.variant_overrides("fp8_nomtp", args) == (
         2, ["precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.num_mtp_layers=0"])
-    for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "bf16_nomtp_nomtp"):
+    for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "fp8@maximum", "bf16_nomtp_nomtp"):
         with pytest.raises(SystemExit, match="--variants"):
             bench.parse_variant(bad, 1)
+
+
+def test_largest_micro_batch_search_doubles_until_oom():
+    """fp8@max with --micro 1: trials at 1, 2, 4 fit, 8 runs out of memory → 4; a cap stops the search; a trial
+    that fails otherwise stops the bench naming it; nothing fitting → None."""
+    import argparse
+
+    bench = load_bench()
+    assert bench.parse_variant("fp8_nomtp@max", 1) == ("fp8", True, None)
+    args = argparse.Namespace(micro=1, max_micro=64, steps=12, warmup=4)
+    tried = []
+
+    def fake(spec, trial, limit=4):
+        tried.append((spec, trial.steps, trial.warmup))
+        micro = int(spec.partition("@")[2])
+        return {"variant": spec, "micro": micro} if micro <= limit else {"variant": spec, "error": "OOM"}
+
+    fits, log = bench.largest_micro("fp8_nomtp@max", args, run=fake)
+    assert fits == 4 and [t[0] for t in tried] == ["fp8_nomtp@1", "fp8_nomtp@2", "fp8_nomtp@4", "fp8_nomtp@8"]
+    assert all(t[1:] == (2, 0) for t in tried) and args.steps == 12  # short trials; the caller's args untouched
+    assert log[-1] == "fp8_nomtp@8: OOM"
+    assert bench.largest_micro("fp8@max", argparse.Namespace(micro=1, max_micro=2, steps=3, warmup=1),
+                               run=fake)[0] == 2
+    assert bench.largest_micro("fp8@max", args, run=lambda s, t: fake(s, t, limit=0))[0] is None
+    with pytest.raises(SystemExit, match="fp8@max: the trial at micro-batch 1 failed: failed: boom"):
+        bench.largest_micro("fp8@max", args, run=lambda s, t: {"variant": s, "error": "failed: boom"})
+
+
+def test_largest_against_largest_line():
+    bench = load_bench()
+    rows = [{**result("bf16@2", 2, 1000.0, 120.0), "largest_of": "bf16@max"},
+            {**result("fp8@8", 8, 1700.0, 96.0), "largest_of": "fp8@max"}, result("fp8", 1, 900.0, 70.0)]
+    assert bench.largest_vs_largest(rows) == [
+        "fp8 at its largest micro-batch (8) vs bf16 at its largest (2): 1.70x tokens/s, 0.80x peak memory"]
 
 
 def result(variant: str, micro: int, tokens: float, mem: float) -> dict:
