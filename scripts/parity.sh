@@ -5,8 +5,8 @@
 # of ABLATIONS (default none) with that component in high precision, and for the seeds in NOISE_SEEDS a second
 # BF16 run of the same seed without deterministic mode (the floor of kernel nondeterminism). Each run's final
 # checkpoint is evaluated on the held-out split (eval.py); `eval.py compare` writes the report to
-# $OUT/report/report.md, one per ablation to $OUT/report_no-<entry>/, and scripts/ablation_table.py the table of
-# all of them to $OUT/ablation.md.
+# $OUT/report/report.md (the held-out loss's, logged every train.eval_every steps, to $OUT/report_val/), one per
+# ablation to $OUT/report_no-<entry>/, and scripts/ablation_table.py the table of all of them to $OUT/ablation.md.
 #
 #   bash scripts/parity.sh                                   # 3 seeds x 1,000 steps, noise pair on seed 1
 #   SEEDS="1 2" STEPS=1000 NOISE_SEEDS=1 bash scripts/parity.sh   # a budgeted version
@@ -84,6 +84,9 @@ for seed in $DET_RERUN_SEEDS; do
   $PY eval.py compare --identical "$OUT/s${seed}_bf16" "$OUT/s${seed}_bf16_detrerun"
 done
 $PY eval.py compare --pairs "${pairs[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report"
+# the held-out loss (val_loss, every train.eval_every steps on the same batches) over the last 30 % of steps
+$PY eval.py compare --key val_loss --window 0.3 --pairs "${pairs[@]}" ${noise[@]+--noise "${noise[@]}"} \
+  --out "$OUT/report_val"
 for entry in $ABLATIONS; do
   read -r suffix _ <<< "$(variant "$entry")"
   ablated=()
