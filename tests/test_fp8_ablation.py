@@ -126,7 +126,29 @@ def test_ablate_script_runs_each_variant_per_seed_and_compares_it(tmp_path):
     assert (f"eval.py compare --pairs {tmp_path}/s1_fp8-no-fwd_x:{tmp_path}/s1_bf16 "
             f"{tmp_path}/s2_fp8-no-fwd_x:{tmp_path}/s2_bf16 --noise {tmp_path}/s1_bf16_rerun:{tmp_path}/s1_bf16 "
             f"--out {tmp_path}/report_no-fwd_x") in compares
-    assert len(compares) == 4 and out.rstrip().endswith(f"scripts/ablation_table.py {tmp_path}")
+    assert len(compares) == 5 and out.rstrip().endswith(f"scripts/ablation_table.py {tmp_path}")
+    assert any(c.startswith("eval.py compare --key val_loss --window 0.3") and c.endswith(f"{tmp_path}/report_val")
+               for c in compares)
+
+
+def test_parity_script_concurrent_jobs_rerun_check_and_archive(tmp_path):
+    """JOBS=2: every run's commands land in its own log; DET_RERUN_SEEDS adds the deterministic rerun and its
+    --identical check; ARCHIVE packs the logs (dry run: PYTHON=echo)."""
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1", "NOISE_SEEDS": "", "STEPS": "7",
+           "OUT": str(tmp_path / "p"), "JOBS": "2", "DET_RERUN_SEEDS": "1", "ARCHIVE": str(tmp_path / "a.tgz")}
+    out = subprocess.run(["bash", str(root / "scripts" / "parity.sh")], env=env, cwd=root, capture_output=True,
+                         text=True, check=True).stdout
+    logs = sorted(p.name for p in (tmp_path / "p").glob("*.log"))
+    assert logs == ["s1_bf16.log", "s1_bf16_detrerun.log", "s1_fp8.log"]
+    assert "train.deterministic=true" in (tmp_path / "p" / "s1_bf16_detrerun.log").read_text()
+    assert f"eval.py compare --identical {tmp_path}/p/s1_bf16 {tmp_path}/p/s1_bf16_detrerun" in out
+    with tarfile.open(tmp_path / "a.tgz") as tar:
+        assert {Path(n).name for n in tar.getnames()} >= set(logs)
 
 
 def test_ablation_table_from_reports_with_known_offsets(tmp_path):
