@@ -277,9 +277,8 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("mode=step_error runs on one process (launch it with python, not torchrun)")
-    fp8_config = model_config.replace(precision="fp8", fp8_recipe=cfg.fp8.recipe,
-                                      fp8_pow2_scales=bool(cfg.fp8.pow2_scales)) if cfg.get("fp8") else \
-        model_config.replace(precision="fp8")
+    fp8 = {"fp8_recipe": cfg.fp8.recipe, "fp8_pow2_scales": bool(cfg.fp8.pow2_scales)} if cfg.get("fp8") else {}
+    fp8_config = model_config.replace(precision="fp8", **fp8)  # the run's FP8 options unless precision= given
     variants = [("fp32", model_config.replace(precision="bf16"), torch.float32, frozenset()),
                 ("bf16", model_config.replace(precision="bf16"), torch.bfloat16, frozenset()),
                 ("fp8", fp8_config, torch.bfloat16, frozenset())]

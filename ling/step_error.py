@@ -28,6 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ling.compare import spread  # mean, std and the mean's 95 % t-interval
+from model.moe import Router
+
 REFERENCE = "fp32"
 CANDIDATES = ("bf16", "fp8")
 
@@ -54,37 +57,28 @@ def parameter_group(name: str) -> str:
 
 @dataclass
 class _Sums:
-    """Per candidate: Σ‖g − g_ref‖², Σ‖g_ref‖², Σ⟨g, g_ref⟩, Σ‖g‖² per group (float64), over all batches."""
+    """Per candidate and group, over all batches: float64 [4] = (Σ‖g − g_ref‖², Σ‖g_ref‖², Σ⟨g, g_ref⟩, Σ‖g‖²),
+    kept on the device (no host sync per parameter) until read."""
 
-    diff: dict[str, float] = field(default_factory=dict)
-    ref: dict[str, float] = field(default_factory=dict)
-    dot: dict[str, float] = field(default_factory=dict)
-    own: dict[str, float] = field(default_factory=dict)
+    by_group: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def add(self, group: str, g: torch.Tensor, g_ref: torch.Tensor) -> None:
         g, g_ref = g.double(), g_ref.double()
-        for acc, value in ((self.diff, (g - g_ref).square().sum()), (self.ref, g_ref.square().sum()),
-                           (self.dot, (g * g_ref).sum()), (self.own, g.square().sum())):
-            acc[group] = acc.get(group, 0.0) + float(value)
+        terms = torch.stack([(g - g_ref).square().sum(), g_ref.square().sum(), (g * g_ref).sum(), g.square().sum()])
+        self.by_group[group] = self.by_group[group] + terms if group in self.by_group else terms
+
+    def _totals(self, group: str | None) -> list[float]:
+        if group is not None:
+            return self.by_group[group].tolist()
+        return torch.stack(list(self.by_group.values())).sum(0).tolist()
 
     def rel_err(self, group: str | None = None) -> float:
-        d, r = (self.diff, self.ref) if group is None else ({group: self.diff[group]}, {group: self.ref[group]})
-        return math.sqrt(sum(d.values()) / max(sum(r.values()), 1e-300))
+        diff, ref, _, _ = self._totals(group)
+        return math.sqrt(diff / max(ref, 1e-300))
 
     def cosine(self, group: str | None = None) -> float:
-        keys = list(self.dot) if group is None else [group]
-        den = math.sqrt(sum(self.own[k] for k in keys) * sum(self.ref[k] for k in keys))
-        return sum(self.dot[k] for k in keys) / max(den, 1e-300)
-
-
-def _mean_ci(values: list[float]) -> dict[str, float]:
-    from scipy import stats
-
-    n = len(values)
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
-    half = float(stats.t.ppf(0.975, n - 1)) * std / math.sqrt(n) if n > 1 else math.nan
-    return {"mean": mean, "std": std, "ci_low": mean - half, "ci_high": mean + half, "n": n}
+        _, ref, dot, own = self._totals(group)
+        return dot / max(math.sqrt(own * ref), 1e-300)
 
 
 def _loss_and_grads(model: nn.Module, batch: Mapping[str, torch.Tensor]
@@ -92,7 +86,7 @@ def _loss_and_grads(model: nn.Module, batch: Mapping[str, torch.Tensor]
     """→ (loss, gradients by parameter name, each router's chosen experts int64 [N, k] in forward order)."""
     routes: list[torch.Tensor] = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: routes.append(out.topk_idx.detach()))
-             for m in model.modules() if type(m).__name__ == "Router"]
+             for m in model.modules() if isinstance(m, Router)]
     try:
         model.zero_grad(set_to_none=True)
         out = model(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
@@ -146,10 +140,10 @@ def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, 
         n += 1
     if n == 0:
         raise ValueError("step_error: no batches to evaluate")
-    rel = {c: _mean_ci([a / b - 1 for a, b in zip(losses[c], losses[REFERENCE])]) for c in candidates}
+    rel = {c: spread([a / b - 1 for a, b in zip(losses[c], losses[REFERENCE])]) for c in candidates}
     if {"fp8", "bf16"} <= set(candidates):
-        rel["fp8_vs_bf16"] = _mean_ci([a / b - 1 for a, b in zip(losses["fp8"], losses["bf16"])])
-    groups = sorted(sums[candidates[0]].ref)
+        rel["fp8_vs_bf16"] = spread([a / b - 1 for a, b in zip(losses["fp8"], losses["bf16"])])
+    groups = sorted(sums[candidates[0]].by_group)
     return {
         "batches": n, "loss": losses, "loss_rel": rel,
         # share of token→expert assignments (all routers, all tokens) that differ from the fp32 model's
