@@ -85,10 +85,11 @@ def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
     return micro, [*VARIANTS[base], f"train.micro_batch_size={micro}", *(["model.num_mtp_layers=0"] if no_mtp else [])]
 
 
-def run_variant(spec: str, args, profile_step: int | None = None) -> dict:
+def run_variant(spec: str, args, profile_step: int | None = None, python_step: int | None = None) -> dict:
     micro, overrides = variant_overrides(spec, args)
     out_dir = Path(tempfile.mkdtemp(prefix=f"bench_{spec.replace('@', '_at')}_"))
     profile = [f"train.profile_step={profile_step}"] if profile_step else []
+    profile += [f"train.profile_python_step={python_step}"] if python_step else []
     cmd = [sys.executable, "train.py", f"model={args.model}", "data=synthetic", f"data.vocab_size={args.vocab}",
            f"train.steps={args.steps}", f"train.seq_len={args.seq_len}", f"train.grad_accum={args.grad_accum}",
            f"train.device={args.device}", "train.save_final=false", "logging.wandb.mode=disabled",
@@ -102,10 +103,13 @@ def run_variant(spec: str, args, profile_step: int | None = None) -> dict:
         print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
         return {**row, "error": "OOM" if OOM.search(proc.stderr) else f"failed: {last[:80]}"}
-    row.update(summarize_run(out_dir, args.warmup, skip_steps=(profile_step,) if profile_step else ()))
+    row.update(summarize_run(out_dir, args.warmup, skip_steps=tuple(s for s in (profile_step, python_step) if s)))
     if profile_step:
         md = out_dir / "profile" / f"step{profile_step}.md"
         row["profile"] = (md, md.read_text())
+    if python_step:
+        md = out_dir / "profile" / f"step{python_step}.python.md"
+        row["python_profile"] = (md, md.read_text())
     return row
 
 
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=157184)
     ap.add_argument("--variants", default="bf16,fp8")
     ap.add_argument("--profile", default=None, metavar="VARIANT", help="one of --variants, profiled once")
+    ap.add_argument("--profile-python", default=None, metavar="VARIANT",
+                    help="one of --variants, one step under cProfile (host time by package and function)")
     ap.add_argument("--extra", default="model.activation_checkpointing=true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-micro", type=int, default=64, help="upper bound of the NAME@max search")
@@ -182,14 +188,19 @@ def main(argv: list[str] | None = None) -> None:
     specs = args.variants.split(",")
     for spec in specs:
         parse_variant(spec, args.micro)
-    if args.profile is not None and args.profile not in specs:
-        raise SystemExit(f"--profile {args.profile}: not one of --variants ({args.variants})")
+    for flag, value in (("--profile", args.profile), ("--profile-python", args.profile_python)):
+        if value is not None and value not in specs:
+            raise SystemExit(f"{flag} {value}: not one of --variants ({args.variants})")
     # the last step: the profiler's after-effects (CUPTI still attached, freed buffers) would slow the steps after
-    # it, so the timed steps all come before it (measured on e64 fp8: 4.7-5.4 s per step before, 5.7-6.2 after)
+    # it, so the timed steps all come before it (measured on e64 fp8: 4.7-5.4 s per step before, 5.7-6.2 after);
+    # cProfile takes the step before it when both profile one variant
     profile_step = args.steps
-    if args.profile is not None and args.steps < max(args.warmup + 2, 2):
-        raise SystemExit(f"--profile needs --steps >= --warmup + 2 (the last step, {args.steps}, is profiled and "
-                         "left out of the medians)")
+    both = args.profile is not None and args.profile == args.profile_python
+    python_step = args.steps - 1 if both else args.steps
+    need = args.warmup + 2 + both
+    if (args.profile is not None or args.profile_python is not None) and args.steps < max(need, 2):
+        raise SystemExit(f"--profile/--profile-python need --steps >= {need} (the last step{'s' if both else ''} "
+                         "profiled and left out of the medians, at least one timed step after --warmup)")
     results, searched = [], []
     for s in specs:
         if parse_variant(s, args.micro)[2] is None:  # NAME@max: search, then measure the largest that fits
@@ -200,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             results.append({**run_variant(f"{s.partition('@')[0]}@{fits}", args), "largest_of": s})
             continue
-        results.append(run_variant(s, args, profile_step if s == args.profile else None))
+        results.append(run_variant(s, args, profile_step if s == args.profile else None,
+                                   python_step if s == args.profile_python else None))
 
     print(f"\n### {args.model}, seq {args.seq_len} x micro-batch (per row) x grad_accum {args.grad_accum}, "
           f"{args.steps} steps (medians after {args.warmup}; tokens per step grow with the micro-batch)\n")
@@ -214,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
         if "profile" in r:
             path, text = r["profile"]
             print(f"\n#### Profile of `{r['variant']}` ({path})\n")
+            print(text)
+        if "python_profile" in r:
+            path, text = r["python_profile"]
+            print(f"\n#### Host (Python) profile of `{r['variant']}` ({path})\n")
             print(text)
 
 

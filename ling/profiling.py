@@ -11,14 +11,19 @@ DeepSpeed's gradient hooks (ZeRO's bucket copies and reductions, which autograd 
 own thread on CUDA) go to `grad_reduce` when they run inside `engine.backward()` in time; the rest is "other".
 
 `StepProfiler` is the trainer's hook (`train.profile_step`): step N runs under torch.profiler and rank 0 writes
-`<run dir>/profile/step{N}.md` and `.json` (and the chrome trace with `train.profile_trace`).
+`<run dir>/profile/step{N}.md` and `.json` (and the chrome trace with `train.profile_trace`). With
+`train.profile_python_step` = M, step M runs under cProfile instead and rank 0 writes `step{M}.python.md`: the
+host's time by where it is spent (the project's packages, torch's Python, DeepSpeed, Triton, C calls into torch
+ops) and the top functions (`python_tables`), the view that explains a host-bound step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import json
 import logging
+import pstats
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
@@ -248,23 +253,38 @@ def profiled(device: torch.device) -> Iterator[dict[str, Any]]:
 class StepProfiler:
     """`with profiler.step(n):` around optimizer step n runs it under torch.profiler when n is `train.profile_step`
     (all ranks, so collectives are timed as usual); rank 0 writes `out_dir/step{n}.md` and `.json` (and
-    `step{n}.trace.json` with `train.profile_trace`). A no-op for every other step."""
+    `step{n}.trace.json` with `train.profile_trace`). When n is `train.profile_python_step` the step runs under
+    cProfile and rank 0 writes `out_dir/step{n}.python.md` (`python_tables`). A no-op for every other step."""
 
-    def __init__(self, step: int | None, out_dir: Path, device: torch.device, write: bool, trace: bool = False):
+    def __init__(self, step: int | None, out_dir: Path, device: torch.device, write: bool, trace: bool = False,
+                 python_step: int | None = None):
         self.at, self.out_dir, self.device, self.write, self.trace = step, out_dir, device, write, trace
+        self.python_at = python_step
 
     @classmethod
     def from_config(cls, train_cfg, total_steps: int, out_dir: Path, device: torch.device, write: bool):
-        """From `train.profile_step` (null, or an int N >= 2: step 1 carries one-time costs such as compilation
-        and lazy optimizer state) and `train.profile_trace`."""
-        step = train_cfg.get("profile_step")
-        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 2 <= step <= total_steps):
-            raise ValueError(f"train.profile_step={step!r}: want null or an integer step in 2..train.steps "
-                             f"({total_steps}); step 1 carries one-time costs (compilation, optimizer state)")
-        return cls(step, out_dir, device, write, bool(train_cfg.get("profile_trace", False)))
+        """From `train.profile_step` and `train.profile_python_step` (each null, or an int N >= 2: step 1 carries
+        one-time costs such as compilation and lazy optimizer state; not the same step) and `train.profile_trace`."""
+        steps = {}
+        for key in ("profile_step", "profile_python_step"):
+            step = train_cfg.get(key)
+            if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                     or not 2 <= step <= total_steps):
+                raise ValueError(f"train.{key}={step!r}: want null or an integer step in 2..train.steps "
+                                 f"({total_steps}); step 1 carries one-time costs (compilation, optimizer state)")
+            steps[key] = step
+        if steps["profile_step"] is not None and steps["profile_step"] == steps["profile_python_step"]:
+            raise ValueError(f"train.profile_step and train.profile_python_step are both {steps['profile_step']}: "
+                             "one profiler per step (each distorts the other's timing)")
+        return cls(steps["profile_step"], out_dir, device, write, bool(train_cfg.get("profile_trace", False)),
+                   steps["profile_python_step"])
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
+        if n == self.python_at:
+            with self._python(n):
+                yield
+            return
         if n != self.at:
             yield
             return
@@ -272,6 +292,26 @@ class StepProfiler:
             yield
         if self.write:
             self._write(n, result["profile"], result["wall_s"])
+
+    @contextlib.contextmanager
+    def _python(self, n: int) -> Iterator[None]:
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
+        prof = cProfile.Profile()
+        sync()
+        t0 = time.perf_counter()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+        sync()
+        wall_s = time.perf_counter() - t0
+        if self.write:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            md = self.out_dir / f"step{n}.python.md"
+            text = python_tables(pstats.Stats(prof), wall_s, f"Host time of optimizer step {n} (cProfile)")
+            atomic_write(md, lambda tmp: tmp.write_text(text))
+            log.info("python profile of step %d: %s (%.2f s wall)", n, md, wall_s)
 
     def _write(self, n: int, prof, wall_s: float) -> None:
         summary = summarize(prof.events(), 1, self.device.type == "cuda", wall_s)
@@ -284,6 +324,59 @@ class StepProfiler:
         if self.trace:
             atomic_write(self.out_dir / f"step{n}.trace.json", lambda tmp: prof.export_chrome_trace(str(tmp)))
         log.info("profile of step %d: %s (%.1f %s in all)", n, md, summary.total_ms, summary.unit)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_PACKAGES = ("model", "fp8", "ling", "data")
+
+
+def host_group(filename: str, name: str) -> str:
+    """Where a profiled function's own time is spent: 'model/', 'fp8/', … (this project), 'torch (Python)',
+    'deepspeed', 'triton', 'C: torch ops' (calls into torch's C++: an op's dispatch and, on CUDA, its kernel
+    launch), 'C: other', or 'other Python' (the standard library, hydra, …)."""
+    if filename == "~":  # a built-in: cProfile names it '<built-in method …>' / "<method 'x' of 'torch…' objects>"
+        return "C: torch ops" if "torch" in name else "C: other"
+    path = Path(filename)
+    try:
+        rel = path.resolve().relative_to(ROOT)
+        if rel.parts and rel.parts[0] in PROJECT_PACKAGES:
+            return rel.parts[0] + "/"
+    except ValueError:
+        pass
+    parts = path.parts
+    for lib in ("deepspeed", "triton", "torch"):
+        if lib in parts:
+            return "torch (Python)" if lib == "torch" else lib
+    return "other Python"
+
+
+def python_tables(stats: pstats.Stats, wall_s: float, title: str, top: int = 30) -> str:
+    """cProfile statistics of one step → Markdown: self time by `host_group`, then the top functions by self
+    time and by cumulative time. cProfile slows Python-heavy code (about 2x), so read shares, not absolutes."""
+    rows = []  # (group, label, calls, self s, cumulative s)
+    for (filename, line, name), (_, ncalls, self_s, cum_s, _) in stats.stats.items():  # type: ignore[attr-defined]
+        group = host_group(filename, name)
+        where = name if filename == "~" else f"{Path(filename).name}:{line} {name}"
+        rows.append((group, where, ncalls, self_s, cum_s))
+    total = sum(r[3] for r in rows)
+    groups: dict[str, float] = defaultdict(float)
+    for r in rows:
+        groups[r[0]] += r[3]
+    out = [f"### {title}", "",
+           f"Wall time {wall_s * 1e3:.0f} ms under cProfile; {total * 1e3:.0f} ms of it in profiled functions' own "
+           "time. cProfile slows Python-heavy code (about 2x): read the shares.", "",
+           markdown(["where", "self ms", "share"],
+                    [[g, f"{t * 1e3:.1f}", f"{t / total:.1%}" if total else "-"]
+                     for g, t in sorted(groups.items(), key=lambda kv: -kv[1])]),
+           "", f"Top {top} functions by self time:", "",
+           markdown(["function", "where", "calls", "self ms", "µs per call", "cumulative ms"],
+                    [[_short(w, 70), g, str(n), f"{s * 1e3:.1f}", f"{s / max(n, 1) * 1e6:.1f}", f"{c * 1e3:.1f}"]
+                     for g, w, n, s, c in sorted(rows, key=lambda r: -r[3])[:top]]),
+           "", f"Top {top} functions by cumulative time:", "",
+           markdown(["function", "where", "calls", "cumulative ms", "self ms"],
+                    [[_short(w, 70), g, str(n), f"{c * 1e3:.1f}", f"{s * 1e3:.1f}"]
+                     for g, w, n, s, c in sorted(rows, key=lambda r: -r[4])[:top]])]
+    return "\n".join(out) + "\n"
 
 
 def _main_parts(ms: float, parts: dict[str, float], n: int = 2) -> str:

@@ -124,3 +124,21 @@ def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatc
 def test_profile_must_name_one_of_the_variants():
     with pytest.raises(SystemExit, match="--profile fp8"):
         load_bench().main(["--variants", "bf16", "--profile", "fp8"])
+    with pytest.raises(SystemExit, match="--profile-python fp8"):
+        load_bench().main(["--variants", "bf16", "--profile-python", "fp8"])
+
+
+def test_both_profiles_of_one_variant_take_its_last_two_steps(monkeypatch):
+    bench = load_bench()
+    calls = []
+    monkeypatch.setattr(bench, "run_variant", lambda spec, args, p=None, q=None: calls.append((spec, p, q)) or
+                        {"variant": spec, "micro": 1, "error": "OOM"})
+    bench.main(["--variants", "bf16,fp8", "--profile", "fp8", "--profile-python", "fp8", "--steps", "6",
+                "--warmup", "3"])
+    assert calls == [("bf16", None, None), ("fp8", 6, 5)]
+    calls.clear()
+    bench.main(["--variants", "bf16,fp8", "--profile", "fp8", "--profile-python", "bf16", "--steps", "6"])
+    assert calls == [("bf16", None, 6), ("fp8", 6, None)]
+    with pytest.raises(SystemExit, match="need --steps >= 6"):
+        bench.main(["--variants", "fp8", "--profile", "fp8", "--profile-python", "fp8", "--steps", "5",
+                    "--warmup", "3"])

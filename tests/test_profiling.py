@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from ling.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, summarize
+from ling.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
 from ling.trainer import train
 from tests.test_config import CONF
 
@@ -113,12 +113,57 @@ def test_optimizer_state_of_fp8_adamw_is_the_hand_computed_size(tmp_path):
     assert summary["optim_state_gib"] == lines[0]["optim_state_gib"]
 
 
+@pytest.mark.parametrize("key", ["profile_step", "profile_python_step"])
 @pytest.mark.parametrize("value", ["1", "0", "-3", "4", "abc", "2.5", "true"])
-def test_a_bad_profile_step_is_refused_naming_the_key(tmp_path, value):
+def test_a_bad_profile_step_is_refused_naming_the_key(tmp_path, key, value):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*TINY, "train.steps=3", f"train.profile_step={value}"])
-    with pytest.raises(ValueError, match="train.profile_step"):
+        cfg = compose(config_name="config", overrides=[*TINY, "train.steps=3", f"train.{key}={value}"])
+    with pytest.raises(ValueError, match=f"train.{key}"):
         train(cfg, run_dir=tmp_path)
+
+
+def test_both_profilers_on_one_step_are_refused(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY, "train.steps=3", "train.profile_step=2",
+                                                       "train.profile_python_step=2"])
+    with pytest.raises(ValueError, match="train.profile_step and train.profile_python_step are both 2"):
+        train(cfg, run_dir=tmp_path)
+
+
+def test_python_profile_of_a_step_groups_host_time_by_package(tmp_path):
+    """train.profile_python_step=2 (beside the torch profile of step 3): step 2's host time by package, whose
+    shares partition the profiled self time, with the project's model/ and fp8/ code and torch's C ops in it."""
+    plain, _ = run(tmp_path, "plain", ["train.steps=3", "precision=fp8"])
+    lines, _ = run(tmp_path, "py", ["train.steps=3", "precision=fp8", "train.profile_python_step=2",
+                                    "train.profile_step=3"])
+    keys = ("loss", "grad_norm")
+    assert [{k: r[k] for k in keys} for r in lines] == [{k: r[k] for k in keys} for r in plain]  # unchanged run
+    folder = tmp_path / "py" / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["step2.python.md", "step3.json", "step3.md"]
+    md = (folder / "step2.python.md").read_text()
+    assert md.startswith("### Host time of optimizer step 2 (cProfile)")
+    table = md[md.index("| where |"):md.index("Top 30 functions by self time")].strip().splitlines()[2:]
+    groups = {r.split(" | ")[0].lstrip("| "): float(r.split(" | ")[1]) for r in table}
+    shares = [float(r.split(" | ")[2].rstrip(" |%")) for r in table]
+    assert sum(shares) == pytest.approx(100, abs=0.1 * len(shares))  # rounded to 0.1 % each
+    assert list(groups.values()) == sorted(groups.values(), reverse=True)
+    for group in ("model/", "fp8/", "ling/", "torch (Python)", "C: torch ops", "deepspeed"):
+        assert groups.get(group, 0) > 0, (group, groups)
+    for title in ("Top 30 functions by self time", "Top 30 functions by cumulative time"):
+        assert title in md
+
+
+def test_host_group_names_where_a_function_lives():
+    root = Path(__file__).resolve().parents[1]
+    assert host_group(str(root / "fp8" / "linear.py"), "forward") == "fp8/"
+    assert host_group(str(root / "model" / "moe.py"), "forward") == "model/"
+    assert host_group("/usr/lib/python3/site-packages/torch/autograd/function.py", "apply") == "torch (Python)"
+    assert host_group("/x/site-packages/deepspeed/runtime/zero/stage_1_and_2.py", "step") == "deepspeed"
+    assert host_group("/x/site-packages/triton/runtime/jit.py", "run") == "triton"
+    assert host_group("~", "<built-in method torch._C._nn.linear>") == "C: torch ops"
+    assert host_group("~", "<method 'item' of 'torch._C.TensorBase' objects>") == "C: torch ops"
+    assert host_group("~", "<built-in method builtins.len>") == "C: other"
+    assert host_group("/usr/lib/python3.12/contextlib.py", "__enter__") == "other Python"
 
 
 # ------------------------------------------------------------------ CUDA attribution, synthetic events
