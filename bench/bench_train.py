@@ -1,13 +1,15 @@
 """Training throughput and memory, BF16 vs FP8, through train.py: the headline table.
 
     python bench/bench_train.py [--model ling_mini_2_0_e64] [--steps 12] [--warmup 4] [--seq-len 4096]
-        [--micro 1] [--grad-accum 8] [--variants bf16,fp8,bf16_nomtp,fp8_nomtp,bf16@2,fp8@4] [--profile fp8]
-        [--extra 'key=value ...'] [--device cuda] [--max-micro 64]
+        [--micro 1] [--grad-accum 8] [--recompute none] [--variants bf16,fp8,bf16_nomtp,fp8_nomtp,bf16+full@4]
+        [--profile fp8] [--profile-python fp8] [--extra 'key=value ...'] [--device cuda] [--max-micro 64]
 
-A variant is a name from VARIANTS, optionally `_nomtp` (`model.num_mtp_layers=0`) and `@M` (that row runs at
-`train.micro_batch_size=M` instead of `--micro`; grad_accum stays `--grad-accum`, so the tokens per optimizer
-step grow with M), or `@max` (the largest micro-batch that fits: doubled from `--micro` in 2-step trials until
-one runs out of memory or passes `--max-micro`, then measured; the trials are listed under the table). Each is a
+A variant is NAME[_nomtp][+RECOMPUTE][@M|@max]: a name from VARIANTS, optionally `_nomtp`
+(`model.num_mtp_layers=0`), `+none` / `+full` / `+selective` (`model.recompute`, default `--recompute`) and `@M`
+(that row runs at `train.micro_batch_size=M` instead of `--micro`; grad_accum stays `--grad-accum`, so the tokens
+per optimizer step grow with M), or `@max` (the largest micro-batch that fits: doubled from `--micro` in 2-step
+trials until one runs out of memory or passes `--max-micro`, then measured; the trials are listed under the
+table). Each is a
 fresh `python train.py` process (so peak memory is its own) on synthetic data;
 the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU),
 the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
@@ -43,6 +45,7 @@ VARIANTS = {
     "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
 }
 NO_MTP = "_nomtp"
+RECOMPUTE = ("none", "full", "selective")  # model.recompute
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a child is its own 1-rank run
 
@@ -50,14 +53,23 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
 MAX = "max"  # NAME@max: the largest micro-batch that fits (found by doubling)
 
 
-def parse_variant(spec: str, default_micro: int) -> tuple[str, bool, int | None]:
-    """'fp8_nomtp@4' → ('fp8', no MTP, micro-batch 4); 'fp8@max' → ('fp8', MTP, None: to be searched)."""
-    name, at, micro = spec.partition("@")
+def parse_variant(spec: str, default_micro: int, default_recompute: str = "none") -> tuple[str, bool, int | None, str]:
+    """'fp8_nomtp+full@4' → ('fp8', no MTP, micro-batch 4, recompute 'full'); 'fp8@max' → ('fp8', MTP, None: to
+    be searched, `default_recompute`)."""
+    head, at, micro = spec.partition("@")
+    name, plus, recompute = head.partition("+")
     base = name.removesuffix(NO_MTP)
-    if base not in VARIANTS or (at and micro != MAX and not (micro.isdigit() and int(micro) > 0)):
-        raise SystemExit(f"--variants: {spec!r} is not NAME[{NO_MTP}][@MICRO|@{MAX}] with NAME in "
-                         f"{', '.join(VARIANTS)} and MICRO a positive integer")
-    return base, name != base, None if micro == MAX else int(micro) if micro else default_micro
+    recompute = recompute if plus else default_recompute
+    if (base not in VARIANTS or recompute not in RECOMPUTE
+            or (at and micro != MAX and not (micro.isdigit() and int(micro) > 0))):
+        raise SystemExit(f"--variants: {spec!r} is not NAME[{NO_MTP}][+RECOMPUTE][@MICRO|@{MAX}] with NAME in "
+                         f"{', '.join(VARIANTS)}, RECOMPUTE in {', '.join(RECOMPUTE)} and MICRO a positive integer")
+    return base, name != base, None if micro == MAX else int(micro) if micro else default_micro, recompute
+
+
+def family(spec: str) -> str:
+    """'fp8_nomtp+full@4' → 'fp8_nomtp': the row's precision and MTP setting, whatever its recompute and micro."""
+    return spec.partition("@")[0].partition("+")[0]
 
 
 def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
@@ -65,7 +77,7 @@ def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
     state and the activations are allocated by then) until one runs out of memory or --max-micro is passed →
     (the largest that fitted or None, the trials' log lines). `run` (default run_variant) is for tests."""
     run = run or run_variant
-    name = spec.partition("@")[0]
+    name = spec.partition("@")[0]  # NAME[_nomtp][+RECOMPUTE]
     trial = argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0})
     fits, log, micro = None, [], args.micro
     while micro <= args.max_micro:
@@ -81,8 +93,9 @@ def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
 
 def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
     """(micro-batch, train.py overrides) of one variant."""
-    base, no_mtp, micro = parse_variant(spec, args.micro)
-    return micro, [*VARIANTS[base], f"train.micro_batch_size={micro}", *(["model.num_mtp_layers=0"] if no_mtp else [])]
+    base, no_mtp, micro, recompute = parse_variant(spec, args.micro, getattr(args, "recompute", "none"))
+    return micro, [*VARIANTS[base], f"train.micro_batch_size={micro}", f"model.recompute={recompute}",
+                   *(["model.num_mtp_layers=0"] if no_mtp else [])]
 
 
 def run_variant(spec: str, args, profile_step: int | None = None, python_step: int | None = None) -> dict:
@@ -98,7 +111,7 @@ def run_variant(spec: str, args, profile_step: int | None = None, python_step: i
     print("$", " ".join(cmd), flush=True)
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    row = {"variant": spec, "micro": micro}
+    row = {"variant": spec, "micro": micro, "recompute": parse_variant(spec, micro, args.recompute)[3]}
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"
@@ -127,43 +140,50 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
-HEADER = ["variant", "micro-batch", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB", "vs bf16",
+HEADER = ["variant", "micro-batch", "recompute", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB", "vs bf16",
           "optimizer state GiB", "loss first→last"]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
     """The headline table: one row per variant; speed and memory against the bf16 row with the same
-    micro-batch and MTP setting (blank without one)."""
+    micro-batch, MTP setting and recompute mode (blank without one)."""
 
     def baseline(r: dict) -> dict | None:
-        name = "bf16" + (NO_MTP if r["variant"].partition("@")[0].endswith(NO_MTP) else "")
+        name = "bf16" + (NO_MTP if family(r["variant"]).endswith(NO_MTP) else "")
         return next((b for b in results if "error" not in b and b["micro"] == r["micro"]
-                     and b["variant"].partition("@")[0] == name), None)
+                     and family(b["variant"]) == name and b.get("recompute") == r.get("recompute")), None)
 
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["variant"], str(r["micro"]), r["error"], *[""] * (len(HEADER) - 3)])
+            rows.append([r["variant"], str(r["micro"]), r.get("recompute", ""), r["error"],
+                         *[""] * (len(HEADER) - 4)])
             continue
         base = baseline(r)
         speed, mem = (f"{r[k] / base[k]:.2f}x" if base else "" for k in ("tokens_per_s", "peak_mem_gib"))
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
-        rows.append([r["variant"], str(r["micro"]), f"{r['tokens_per_s']:,.0f}", speed,
+        rows.append([r["variant"], str(r["micro"]), r.get("recompute", ""), f"{r['tokens_per_s']:,.0f}", speed,
                      f"{r['tflops']:.0f}", mfu, f"{r['peak_mem_gib']:.1f}", mem,
                      f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}"])
     return rows
 
 
 def largest_vs_largest(results: list[dict]) -> list[str]:
-    """For each NAME[_nomtp]@max row beside a bf16[_nomtp]@max row: its tokens/s against BF16's, each at its own
-    largest micro-batch (the issue's "FP8 at its largest vs BF16 at its largest")."""
-    largest = {r["largest_of"].partition("@")[0]: r for r in results if "largest_of" in r and "error" not in r}
+    """For each NAME[_nomtp] with @max rows beside bf16[_nomtp] @max rows: its fastest @max row (over the recompute
+    modes searched) against BF16's fastest, each at its own largest micro-batch (the issue's "FP8 at its largest
+    vs BF16 at its largest")."""
+    largest: dict[str, dict] = {}
+    for r in results:
+        if "largest_of" in r and "error" not in r:
+            best = largest.get(family(r["variant"]))
+            if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+                largest[family(r["variant"])] = r
     lines = []
     for name, r in largest.items():
         base = largest.get("bf16" + (NO_MTP if name.endswith(NO_MTP) else ""))
         if base is not None and base is not r:
-            lines.append(f"{name} at its largest micro-batch ({r['micro']}) vs {base['variant'].partition('@')[0]} "
-                         f"at its largest ({base['micro']}): {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+            lines.append(f"{name} at its largest micro-batch ({r['variant']}) vs {family(base['variant'])} "
+                         f"at its largest ({base['variant']}): {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
                          f"tokens/s, {r['peak_mem_gib'] / base['peak_mem_gib']:.2f}x peak memory")
     return lines
 
@@ -181,13 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default=None, metavar="VARIANT", help="one of --variants, profiled once")
     ap.add_argument("--profile-python", default=None, metavar="VARIANT",
                     help="one of --variants, one step under cProfile (host time by package and function)")
-    ap.add_argument("--extra", default="model.activation_checkpointing=true")
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                    help="model.recompute of the variants without +RECOMPUTE")
+    ap.add_argument("--extra", default="", help="more train.py overrides for every row")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-micro", type=int, default=64, help="upper bound of the NAME@max search")
     args = ap.parse_args(argv)
     specs = args.variants.split(",")
     for spec in specs:
-        parse_variant(spec, args.micro)
+        parse_variant(spec, args.micro, args.recompute)
     for flag, value in (("--profile", args.profile), ("--profile-python", args.profile_python)):
         if value is not None and value not in specs:
             raise SystemExit(f"{flag} {value}: not one of --variants ({args.variants})")
@@ -203,11 +225,12 @@ def main(argv: list[str] | None = None) -> None:
                          "profiled and left out of the medians, at least one timed step after --warmup)")
     results, searched = [], []
     for s in specs:
-        if parse_variant(s, args.micro)[2] is None:  # NAME@max: search, then measure the largest that fits
+        if parse_variant(s, args.micro, args.recompute)[2] is None:  # NAME@max: search, then measure the largest that fits
             fits, log = largest_micro(s, args)
             searched += log
             if fits is None:
-                results.append({"variant": s, "micro": args.micro, "error": "OOM"})
+                results.append({"variant": s, "micro": args.micro, "error": "OOM",
+                                "recompute": parse_variant(s, args.micro, args.recompute)[3]})
                 continue
             results.append({**run_variant(f"{s.partition('@')[0]}@{fits}", args), "largest_of": s})
             continue

@@ -22,12 +22,16 @@ def load_bench():
 
 def test_variant_specs():
     bench = load_bench()
-    assert bench.parse_variant("fp8", 1) == ("fp8", False, 1)
-    assert bench.parse_variant("bf16_nomtp@4", 1) == ("bf16", True, 4)
-    args = type("Args", (), {"micro": 2})()
+    assert bench.parse_variant("fp8", 1) == ("fp8", False, 1, "none")
+    assert bench.parse_variant("bf16_nomtp@4", 1, "full") == ("bf16", True, 4, "full")
+    assert bench.parse_variant("fp8_nomtp+selective@max", 1) == ("fp8", True, None, "selective")
+    assert bench.family("fp8_nomtp+full@4") == "fp8_nomtp" and bench.family("bf16") == "bf16"
+    args = type("Args", (), {"micro": 2, "recompute": "full"})()
     assert bench.variant_overrides("fp8_nomtp", args) == (
-        2, ["precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.num_mtp_layers=0"])
-    for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "fp8@maximum", "bf16_nomtp_nomtp"):
+        2, ["precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.recompute=full",
+            "model.num_mtp_layers=0"])
+    assert bench.variant_overrides("bf16+none@4", args)[1][2:4] == ["train.micro_batch_size=4", "model.recompute=none"]
+    for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "fp8@maximum", "bf16_nomtp_nomtp", "fp8+half", "fp8+"):
         with pytest.raises(SystemExit, match="--variants"):
             bench.parse_variant(bad, 1)
 
@@ -38,7 +42,7 @@ def test_largest_micro_batch_search_doubles_until_oom():
     import argparse
 
     bench = load_bench()
-    assert bench.parse_variant("fp8_nomtp@max", 1) == ("fp8", True, None)
+    assert bench.parse_variant("fp8_nomtp@max", 1) == ("fp8", True, None, "none")
     args = argparse.Namespace(micro=1, max_micro=64, steps=12, warmup=4)
     tried = []
 
@@ -59,15 +63,18 @@ def test_largest_micro_batch_search_doubles_until_oom():
 
 
 def test_largest_against_largest_line():
+    """Each family's fastest @max row, over the recompute modes searched."""
     bench = load_bench()
     rows = [{**result("bf16@2", 2, 1000.0, 120.0), "largest_of": "bf16@max"},
+            {**result("bf16+full@8", 8, 1100.0, 110.0), "largest_of": "bf16+full@max"},
             {**result("fp8@8", 8, 1700.0, 96.0), "largest_of": "fp8@max"}, result("fp8", 1, 900.0, 70.0)]
     assert bench.largest_vs_largest(rows) == [
-        "fp8 at its largest micro-batch (8) vs bf16 at its largest (2): 1.70x tokens/s, 0.80x peak memory"]
+        "fp8 at its largest micro-batch (fp8@8) vs bf16 at its largest (bf16+full@8): 1.55x tokens/s, "
+        "0.87x peak memory"]
 
 
-def result(variant: str, micro: int, tokens: float, mem: float) -> dict:
-    return {"variant": variant, "micro": micro, "tokens_per_s": tokens, "tflops": tokens / 100, "mfu": 0.25,
+def result(variant: str, micro: int, tokens: float, mem: float, recompute: str = "none") -> dict:
+    return {"variant": variant, "micro": micro, "recompute": recompute, "tokens_per_s": tokens, "tflops": tokens / 100, "mfu": 0.25,
             "peak_mem_gib": mem, "optim_state_gib": 1.5, "loss_first": 10.0, "loss_last": 9.5}
 
 
@@ -75,15 +82,17 @@ def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setti
     bench = load_bench()
     results = [result("bf16", 1, 1000.0, 100.0), result("fp8", 1, 1300.0, 70.0),
                result("bf16_nomtp", 1, 1200.0, 80.0), result("fp8_nomtp@1", 1, 1800.0, 40.0),
-               {"variant": "bf16@2", "micro": 2, "error": "OOM"}, result("fp8@2", 2, 2000.0, 90.0)]
+               {"variant": "bf16@2", "micro": 2, "error": "OOM"}, result("fp8@2", 2, 2000.0, 90.0),
+               result("fp8+full", 1, 800.0, 50.0, "full")]
     rows = {r[0]: r for r in bench.table_rows(results)}
     assert len(bench.HEADER) == len(rows["bf16"])
-    assert rows["bf16"][1:4] == ["1", "1,000", "1.00x"]
-    assert rows["fp8"][3] == "1.30x" and rows["fp8"][7] == "0.70x"
-    assert rows["fp8_nomtp@1"][3] == "1.50x" and rows["fp8_nomtp@1"][7] == "0.50x"  # against bf16_nomtp
-    assert rows["bf16@2"][2] == "OOM" and len(rows["bf16@2"]) == len(bench.HEADER)
-    assert rows["fp8@2"][3] == "" and rows["fp8@2"][7] == ""  # its bf16 row ran out of memory
-    assert rows["fp8"][4:7] == ["13", "25.0%", "70.0"] and rows["fp8"][8:] == ["1.50", "10.000→9.500"]
+    assert rows["bf16"][1:5] == ["1", "none", "1,000", "1.00x"]
+    assert rows["fp8"][4] == "1.30x" and rows["fp8"][8] == "0.70x"
+    assert rows["fp8_nomtp@1"][4] == "1.50x" and rows["fp8_nomtp@1"][8] == "0.50x"  # against bf16_nomtp
+    assert rows["bf16@2"][3] == "OOM" and len(rows["bf16@2"]) == len(bench.HEADER)
+    assert rows["fp8@2"][4] == "" and rows["fp8@2"][8] == ""  # its bf16 row ran out of memory
+    assert rows["fp8+full"][4] == "" and rows["fp8+full"][2] == "full"  # no bf16 row with full recompute
+    assert rows["fp8"][5:8] == ["13", "25.0%", "70.0"] and rows["fp8"][9:] == ["1.50", "10.000→9.500"]
 
 
 def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
@@ -115,8 +124,8 @@ def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatc
     table = out[out.rindex("| variant | micro-batch"):out.index("#### Profile of `fp8_nomtp`")]
     rows = [line.split(" | ") for line in table.strip().splitlines()[2:]]
     assert [r[0].lstrip("| ") for r in rows] == ["fp8_nomtp", "bf16@2"]
-    assert rows[1][1:3] == ["2", "OOM"]
-    assert float(rows[0][8]) > 0  # optimizer state, logged by the run
+    assert rows[1][1:4] == ["2", "none", "OOM"]
+    assert float(rows[0][9]) > 0  # optimizer state, logged by the run
     profile = out[out.index("#### Profile of `fp8_nomtp`"):]
     assert "Where optimizer step 3 spends its time" in profile and "| optimizer (DeepSpeed step) |" in profile
 
@@ -132,7 +141,7 @@ def test_both_profiles_of_one_variant_take_its_last_two_steps(monkeypatch):
     bench = load_bench()
     calls = []
     monkeypatch.setattr(bench, "run_variant", lambda spec, args, p=None, q=None: calls.append((spec, p, q)) or
-                        {"variant": spec, "micro": 1, "error": "OOM"})
+                        {"variant": spec, "micro": 1, "recompute": "none", "error": "OOM"})
     bench.main(["--variants", "bf16,fp8", "--profile", "fp8", "--profile-python", "fp8", "--steps", "6",
                 "--warmup", "3"])
     assert calls == [("bf16", None, None), ("fp8", 6, 5)]
