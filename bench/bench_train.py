@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grad-accum", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=157184)
     ap.add_argument("--variants", default="bf16,fp8")
-    ap.add_argument("--profile", default=None, metavar="VARIANT", help="one of --variants, profiled once")
-    ap.add_argument("--profile-python", default=None, metavar="VARIANT",
-                    help="one of --variants, one step under cProfile (host time by package and function)")
+    ap.add_argument("--profile", default=None, metavar="VARIANTS", help="some of --variants (comma-separated), "
+                    "each profiled once (torch.profiler: GPU time by part)")
+    ap.add_argument("--profile-python", default=None, metavar="VARIANTS",
+                    help="some of --variants, each with one step under cProfile (host time by package and function)")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE,
                     help="model.recompute of the variants without +RECOMPUTE")
     ap.add_argument("--extra", default="", help="more train.py overrides for every row")
@@ -210,17 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     specs = args.variants.split(",")
     for spec in specs:
         parse_variant(spec, args.micro, args.recompute)
-    for flag, value in (("--profile", args.profile), ("--profile-python", args.profile_python)):
-        if value is not None and value not in specs:
-            raise SystemExit(f"{flag} {value}: not one of --variants ({args.variants})")
+    profiled = set(args.profile.split(",")) if args.profile else set()
+    python_profiled = set(args.profile_python.split(",")) if args.profile_python else set()
+    for flag, value, chosen in (("--profile", args.profile, profiled),
+                                ("--profile-python", args.profile_python, python_profiled)):
+        if not chosen <= set(specs):
+            raise SystemExit(f"{flag} {value}: not among --variants ({args.variants})")
     # the last step: the profiler's after-effects (CUPTI still attached, freed buffers) would slow the steps after
     # it, so the timed steps all come before it (measured on e64 fp8: 4.7-5.4 s per step before, 5.7-6.2 after);
     # cProfile takes the step before it when both profile one variant
     profile_step = args.steps
-    both = args.profile is not None and args.profile == args.profile_python
-    python_step = args.steps - 1 if both else args.steps
+    both = bool(profiled & python_profiled)
     need = args.warmup + 2 + both
-    if (args.profile is not None or args.profile_python is not None) and args.steps < max(need, 2):
+    if (profiled or python_profiled) and args.steps < max(need, 2):
         raise SystemExit(f"--profile/--profile-python need --steps >= {need} (the last step{'s' if both else ''} "
                          "profiled and left out of the medians, at least one timed step after --warmup)")
     results, searched = [], []
@@ -234,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             results.append({**run_variant(f"{s.partition('@')[0]}@{fits}", args), "largest_of": s})
             continue
-        results.append(run_variant(s, args, profile_step if s == args.profile else None,
-                                   python_step if s == args.profile_python else None))
+        results.append(run_variant(s, args, profile_step if s in profiled else None,
+                                   (args.steps - 1 if s in profiled else args.steps) if s in python_profiled else None))
 
     print(f"\n### {args.model}, seq {args.seq_len} x micro-batch (per row) x grad_accum {args.grad_accum}, "
           f"{args.steps} steps (medians after {args.warmup}; tokens per step grow with the micro-batch)\n")
