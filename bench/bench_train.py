@@ -98,6 +98,18 @@ def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
                    *(["model.num_mtp_layers=0"] if no_mtp else [])]
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the bench process dies (e.g. killed by `timeout`), so that no orphaned
+    train.py keeps the GPU's memory for the next row (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_variant(spec: str, args, profile_step: int | None = None, python_step: int | None = None) -> dict:
     micro, overrides = variant_overrides(spec, args)
     out_dir = Path(tempfile.mkdtemp(prefix=f"bench_{spec.replace('@', '_at')}_"))
@@ -110,7 +122,7 @@ def run_variant(spec: str, args, profile_step: int | None = None, python_step: i
            *shlex.split(args.extra)]
     print("$", " ".join(cmd), flush=True)
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=_die_with_parent)
     row = {"variant": spec, "micro": micro, "recompute": parse_variant(spec, micro, args.recompute)[3]}
     if proc.returncode != 0:
         print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
