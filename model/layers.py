@@ -45,7 +45,7 @@ class Fusable:
         if not compiled:
             return self.eager(*args)
         if self._compiled is None:
-            self._compiled = torch.compile(self.eager, dynamic=False)
+            self._compiled = torch.compile(self.eager, dynamic=False, options={"emulate_precision_casts": True})
         return self._compiled(*args)
 
 
