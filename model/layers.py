@@ -32,9 +32,10 @@ def use_compiled(compile_ops: str, x: torch.Tensor) -> bool:
 class Fusable:
     """A pure function of tensors and Python constants and its `torch.compile` twin (Inductor fuses its
     elementwise chains into a few kernels), built on first use and shared by every caller: one compiled graph
-    per input shape serves every layer. `dynamic=False`; not `fullgraph=True`, which turns hitting dynamo's
-    recompile limit (eval at many shapes) into an error rather than an eager fallback — the tests check that
-    these functions compile without a graph break. `f(*args, compiled=False)` runs the eager function."""
+    per input shape serves every layer. `dynamic=False`; `emulate_precision_casts`: a cast to bf16 rounds as in
+    eager (Inductor would otherwise keep such an intermediate in fp32); not `fullgraph=True`, which turns hitting
+    dynamo's recompile limit (eval at many shapes) into an error rather than an eager fallback — the tests check
+    that these functions compile without a graph break. `f(*args, compiled=False)` runs the eager function."""
 
     def __init__(self, fn: Callable) -> None:
         functools.update_wrapper(self, fn)
