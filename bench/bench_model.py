@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python3 bench/bench_model.py [--models ling_mini_2_0_e64,ling_mini_2_0_l6]
         [--seq-len 4096] [--micro 1] [--steps 6] [--warmup 2] [--precision bf16|fp8] [--doc-len 1024]
-        [--variants fast,old_loss,dense_mask,selective,full,today,causal] [--no-profile] [--no-parts]
+        [--variants fast,old_loss,dense_mask,selective,full,today,causal,eager] [--no-profile] [--no-parts]
     python3 bench/bench_model.py --device cpu --models tiny --seq-len 128   # smoke test
 
 Every variant is a fresh model (same seed) on random tokens packed into documents of geometric length
@@ -16,6 +16,8 @@ Variants (one change each from `fast`):
   selective   model.recompute=selective;  full: model.recompute=full
   today       old_loss + dense_mask (the model before this change)
   causal      no doc_ids at all (plain causal flash attention): the attention floor
+  eager       model.compile_ops=off: the norms, QK-norm + RoPE, router, dispatch plan and SwiGLU run as eager
+              ops instead of torch.compile'd functions (compiled on the first warm-up step)
 Then (unless --no-parts) the LM head + loss and the attention core alone, and (unless --no-profile) a
 torch.profiler table of one `fast` step of the first model, GPU time grouped by part through the
 `model.layers.scope` ranges (backward kernels follow their forward op's range through autograd's sequence
@@ -51,6 +53,7 @@ VARIANTS = {
     "full": ({"recompute": "full"}, {}, True),
     "today": ({"document_attention": "dense"}, {"return_logits": True}, True),
     "causal": ({}, {}, False),
+    "eager": ({"compile_ops": "off"}, {}, True),
 }
 
 class Clock:
@@ -120,7 +123,7 @@ def run_variant(name: str, base: ModelConfig, args, clock: Clock, dtype: torch.d
     batch = make_batch(config.vocab_size, args.micro, args.seq_len, args.doc_len, clock.device)
     step = model_step(model, batch, forward_kw, with_docs)
     try:
-        for _ in range(args.warmup):  # compiles flex / the loss epilogue on first use
+        for _ in range(args.warmup):  # compiles flex, the loss epilogue and the fused ops on first use
             step()
         clock.reset_peak()
         ms = clock.median_ms(step, 0, args.steps)

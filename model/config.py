@@ -60,6 +60,10 @@ class ModelConfig:
     # of the dense/shared MLPs in backward; the linears keep their saved inputs)
     recompute: str = "none"
     activation_checkpointing: bool = False  # legacy alias: true means recompute="full"
+    # host overhead: the elementwise chains (RMSNorm, QK-norm + RoPE, router scoring and selection, the dispatch
+    # plan, the dense/shared SwiGLU) fused by torch.compile — "auto" (on CUDA tensors), "on" (everywhere, also
+    # CPU through Inductor's C++ backend), "off" (eager: the reference)
+    compile_ops: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -112,6 +116,8 @@ class ModelConfig:
         need(self.document_attention in DOCUMENT_ATTENTION, "document_attention",
              f"must be one of {', '.join(DOCUMENT_ATTENTION)}, got {self.document_attention!r}")
         need(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        need(self.compile_ops in COMPILE_OPS, "compile_ops",
+             f"must be one of {', '.join(COMPILE_OPS)}, got {self.compile_ops!r}")
         need(not self.activation_checkpointing or self.recompute in ("none", "full"), "activation_checkpointing",
              f"true is the old spelling of model.recompute=full and contradicts model.recompute={self.recompute}; "
              "set only model.recompute")
@@ -168,6 +174,7 @@ class ModelConfig:
 
 DOCUMENT_ATTENTION = ("auto", "flex", "dense")
 RECOMPUTE = ("none", "full", "selective")
+COMPILE_OPS = ("auto", "on", "off")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "ling_mini_2_0": {},

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fp8.grouped import GroupedRows, gather_rows, sum_rows
+from model.layers import Fusable
 
 
 @dataclass
@@ -75,12 +76,28 @@ class DispatchPlan:
         return routed
 
 
-def plan_dispatch(topk_idx: torch.Tensor, num_experts: int, pad_multiple: int = 1) -> DispatchPlan:
-    """topk_idx int64 [T, k] (distinct experts per token) → DispatchPlan, on topk_idx's device, sync-free."""
+def plan_dispatch(topk_idx: torch.Tensor, num_experts: int, pad_multiple: int = 1,
+                  compiled: bool = False) -> DispatchPlan:
+    """topk_idx int64 [T, k] (distinct experts per token) → DispatchPlan, on topk_idx's device, sync-free.
+    `compiled`: the plan's tensor maths (`plan_rows`) through torch.compile — for static shapes only (one
+    graph per T), not for the expert-parallel receiver, whose row count changes every call."""
     if pad_multiple < 1:
         raise ValueError(f"moe.pad_multiple must be >= 1, got {pad_multiple}")
     t, k = topk_idx.shape
-    e, a = num_experts, pad_multiple
+    rows_bound = (t * k + num_experts * (pad_multiple - 1) + 15) // 16 * 16
+    row_src, pos, offsets, counts, pad_token, num_pad = plan_rows(topk_idx, num_experts, pad_multiple, rows_bound,
+                                                                  compiled=compiled)  # fmt: skip
+    rows = GroupedRows(offsets, rows_bound, alignment=pad_multiple, data_lengths=counts)
+    return DispatchPlan(row_src=row_src, pos=pos, rows=rows, tokens_per_expert=counts, pad_token=pad_token,
+                        num_pad=num_pad)
+
+
+@Fusable
+def plan_rows(topk_idx: torch.Tensor, e: int, a: int, rows_bound: int) -> tuple[torch.Tensor, ...]:
+    """The tensors of `plan_dispatch(topk_idx [T, k], e experts, pad multiple a)` with `rows_bound` rows:
+    (row_src int32 [rows_bound], pos int32 [T, k], offsets int32 [e + 1], counts int64 [e],
+    pad_token int64 [e, a - 1], num_pad int64 [e])."""
+    t, k = topk_idx.shape
     dev = topk_idx.device
     flat = topk_idx.reshape(-1)
     n = flat.numel()
@@ -93,8 +110,6 @@ def plan_dispatch(topk_idx: torch.Tensor, num_experts: int, pad_multiple: int = 
     sorted_expert = flat[order]
     rank = torch.arange(n, device=dev) - real_start[sorted_expert]  # index within the expert's tokens
     dest = seg_start[sorted_expert] + rank
-    rows_bound = n + e * (a - 1)
-    rows_bound = (rows_bound + 15) // 16 * 16
     pos = torch.empty(n, dtype=torch.int64, device=dev).scatter_(0, order, dest)
     sorted_token = order // k
     row_src = torch.full((rows_bound,), -1, dtype=torch.int32, device=dev)
@@ -102,9 +117,7 @@ def plan_dispatch(topk_idx: torch.Tensor, num_experts: int, pad_multiple: int = 
     offsets = torch.zeros(e + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(padded, 0)
     pad_token = _pad_tokens(sorted_token, sorted_expert, rank, e, a, t)
-    rows = GroupedRows(offsets, rows_bound, alignment=a, data_lengths=counts)
-    return DispatchPlan(row_src=row_src, pos=pos.view(t, k).to(torch.int32), rows=rows, tokens_per_expert=counts,
-                        pad_token=pad_token, num_pad=padded - counts)  # fmt: skip
+    return row_src, pos.view(t, k).to(torch.int32), offsets, counts, pad_token, padded - counts
 
 
 def _pad_tokens(sorted_token, sorted_expert, rank, e: int, a: int, t: int) -> torch.Tensor:

@@ -3,6 +3,8 @@ documents), SwiGLU MLP with optional recomputation, and the linear switch."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -22,6 +24,32 @@ def scope(name: str):
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
+def use_compiled(compile_ops: str, x: torch.Tensor) -> bool:
+    """`model.compile_ops` for a call on x: "on" compiles wherever, "auto" on CUDA tensors, "off" never."""
+    return compile_ops == "on" or (compile_ops == "auto" and x.is_cuda)
+
+
+class Fusable:
+    """A pure function of tensors and Python constants and its `torch.compile` twin (Inductor fuses its
+    elementwise chains into a few kernels), built on first use and shared by every caller: one compiled graph
+    per input shape serves every layer. `dynamic=False`; `emulate_precision_casts`: a cast to bf16 rounds as in
+    eager (Inductor would otherwise keep such an intermediate in fp32); not `fullgraph=True`, which turns hitting
+    dynamo's recompile limit (eval at many shapes) into an error rather than an eager fallback — the tests check
+    that these functions compile without a graph break. `f(*args, compiled=False)` runs the eager function."""
+
+    def __init__(self, fn: Callable) -> None:
+        functools.update_wrapper(self, fn)
+        self.eager = fn
+        self._compiled: Callable | None = None
+
+    def __call__(self, *args, compiled: bool = False):
+        if not compiled:
+            return self.eager(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.eager, dynamic=False, options={"emulate_precision_casts": True})
+        return self._compiled(*args)
+
+
 def make_linear(in_features: int, out_features: int, config: ModelConfig) -> nn.Linear:
     """The one precision switch: a bias-free `nn.Linear`, or `FP8Linear` when `config.precision == "fp8"`."""
     if config.precision == "fp8":
@@ -32,19 +60,28 @@ def make_linear(in_features: int, out_features: int, config: ModelConfig) -> nn.
     return nn.Linear(in_features, out_features, bias=False)
 
 
-class RMSNorm(nn.Module):
-    """y = gain · (x / rms(x)); the normalisation runs in fp32 and is cast back before the gain."""
+@Fusable
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (any float dtype), weight [D] → weight · (x / rms(x)) [..., D]: the normalisation in fp32,
+    cast back to x's dtype before the gain."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+
+class RMSNorm(nn.Module):
+    """y = gain · (x / rms(x)); the normalisation runs in fp32 and is cast back before the gain.
+    `compile_ops` (`model.compile_ops`): whether `rms_norm` runs compiled."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, compile_ops: str = "auto") -> None:
         super().__init__()
         self.eps = eps
+        self.compile_ops = compile_ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps, compiled=use_compiled(self.compile_ops, x))
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,6 +120,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     xr = x_rot.float()
     xr = xr * cos + _rotate_half(xr) * sin
     return torch.cat([xr.to(x.dtype), x_pass], dim=-1)
+
+
+@Fusable
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_gain: torch.Tensor, k_gain: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention core before `attend`: q [B, Hq, T, D] and k [B, Hkv, T, D] → RMSNorm of every head (gains
+    [D]) then half RoPE (cos/sin fp32 [T, rotary_dim]), the maths of the QK-norm modules and `apply_rotary`."""
+    return (apply_rotary(rms_norm.eager(q, q_gain, eps), cos, sin),
+            apply_rotary(rms_norm.eager(k, k_gain, eps), cos, sin))
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -197,11 +243,12 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.recompute_core = config.recompute_mode == "selective"
+        self.compile_ops = config.compile_ops
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.query_key_value = make_linear(config.hidden_size, qkv_out, config)
         self.dense = make_linear(config.num_heads * config.head_dim, config.hidden_size, config)
-        self.query_layernorm = RMSNorm(config.head_dim, config.rms_eps)
-        self.key_layernorm = RMSNorm(config.head_dim, config.rms_eps)
+        self.query_layernorm = RMSNorm(config.head_dim, config.rms_eps, config.compile_ops)
+        self.key_layernorm = RMSNorm(config.head_dim, config.rms_eps, config.compile_ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask = None) -> torch.Tensor:
@@ -224,8 +271,12 @@ class Attention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(self.query_layernorm(q), cos, sin)
-        k = apply_rotary(self.key_layernorm(k), cos, sin)
+        if use_compiled(self.compile_ops, qkv):  # QK-norm and RoPE fused: the norms' gains read here
+            q, k = qk_norm_rope(q, k, self.query_layernorm.weight, self.key_layernorm.weight, cos, sin,
+                                self.query_layernorm.eps, compiled=True)
+        else:
+            q = apply_rotary(self.query_layernorm(q), cos, sin)
+            k = apply_rotary(self.key_layernorm(k), cos, sin)
         out = attend(q, k, v, mask)
         return out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)
 
@@ -248,13 +299,19 @@ class _SwiGLU(torch.autograd.Function):
         return torch.cat([d_gate, grad * F.silu(gate)], dim=-1)
 
 
-def swiglu(gate_up: torch.Tensor, recompute: bool = False) -> torch.Tensor:
-    """gate_up [..., 2·I] = [gate | up] → silu(gate) · up [..., I]; `recompute` saves only gate_up for backward.
-    (The routed experts' SwiGLU lives in their grouped-GEMM function; it can use this too.)"""
-    if recompute and torch.is_grad_enabled() and gate_up.requires_grad:
+@Fusable
+def _swiglu(gate_up: torch.Tensor, recompute: bool) -> torch.Tensor:
+    if recompute:
         return _SwiGLU.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def swiglu(gate_up: torch.Tensor, recompute: bool = False, compiled: bool = False) -> torch.Tensor:
+    """gate_up [..., 2·I] = [gate | up] → silu(gate) · up [..., I]; `recompute` saves only gate_up for backward;
+    `compiled` fuses forward and backward (`model.compile_ops`). (The routed experts' SwiGLU lives in their
+    grouped-GEMM function; it can use this too.)"""
+    return _swiglu(gate_up, recompute and torch.is_grad_enabled() and gate_up.requires_grad, compiled=compiled)
 
 
 class MLP(nn.Module):
@@ -265,9 +322,11 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.recompute_activation = config.recompute_mode == "selective"
+        self.compile_ops = config.compile_ops
         self.gate_up_proj = make_linear(hidden_size, 2 * intermediate_size, config)
         self.down_proj = make_linear(intermediate_size, hidden_size, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with scope("mlp"):
-            return self.down_proj(swiglu(self.gate_up_proj(x), self.recompute_activation))
+            gate_up = self.gate_up_proj(x)
+            return self.down_proj(swiglu(gate_up, self.recompute_activation, use_compiled(self.compile_ops, gate_up)))

@@ -20,9 +20,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, moe: bool, ep_group=None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps, config.compile_ops)
         self.attention = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps, config.compile_ops)
         self.mlp: nn.Module = (MoE(config, ep_group) if moe
                                else MLP(config.hidden_size, config.dense_intermediate_size, config))
 
@@ -45,11 +45,11 @@ class MTPLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, ep_group=None) -> None:
         super().__init__()
-        self.enorm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_eps, config.compile_ops)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_eps, config.compile_ops)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)  # stays high precision
         self.transformer_layer = DecoderLayer(config, moe=True, ep_group=ep_group)
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_eps, config.compile_ops)
 
     def forward(self, emb: torch.Tensor, h: torch.Tensor, cos, sin, mask) -> tuple[torch.Tensor, torch.Tensor]:
         with scope("mtp_proj"):
@@ -100,7 +100,7 @@ class LingForCausalLM(nn.Module):
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0  # which experts this rank holds
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, moe, ep_group) for moe in config.is_moe_layer)
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, config.compile_ops)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.mtp_layers = nn.ModuleList(MTPLayer(config, ep_group) for _ in range(config.num_mtp_layers))
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_base)

@@ -19,7 +19,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.dispatch import DispatchPlan, expert_parallel, permute, plan_dispatch, row_gates, unpermute
-from model.layers import MLP, scope
+from model.layers import MLP, Fusable, scope, use_compiled
 
 
 class RouterOutput(NamedTuple):
@@ -48,6 +48,7 @@ class Router(nn.Module):
         self.num_groups = config.num_expert_groups
         self.topk_groups = config.topk_groups
         self.scaling = config.routed_scaling_factor
+        self.compile_ops = config.compile_ops
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         # tokens routed to each expert since the last bias update (summed over micro-batches)
@@ -62,39 +63,58 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """x [N, hidden] (any float dtype) → RouterOutput."""
-        logits = F.linear(x.float(), self.weight.float())  # [N, E] fp32
-        scores = torch.sigmoid(logits)
-        topk_idx = self.select(scores)
-        weight = scores.gather(1, topk_idx)
-        weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * self.scaling
-        flat = topk_idx.flatten()  # scatter_add, not bincount: CUDA's bincount waits for the host twice
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        topk_idx, weight, z_loss, aux_loss, counts = route(
+            x, self.weight, self.expert_bias, self.num_groups, self.topk_groups, self.top_k, self.scaling,
+            compiled=use_compiled(self.compile_ops, x))
         # count once per micro-batch: activation checkpointing reruns this forward inside backward
         if self.training and torch._C._current_graph_task_id() == -1:
             self.tokens_per_expert += counts.float()
-        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        # switch-style balance loss on normalised scores: E · Σ_e f_e · P_e
-        probs = scores / scores.sum(-1, keepdim=True)
-        aux_loss = self.num_experts * (counts.float() / topk_idx.numel() * probs.mean(0)).sum()
         return RouterOutput(topk_idx, weight, z_loss, aux_loss, counts)
 
-    @torch.no_grad()
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """scores fp32 [N, E] → int64 [N, k] experts chosen on biased scores within the top groups."""
-        n = scores.shape[0]
-        biased = scores + self.expert_bias
-        grouped = biased.view(n, self.num_groups, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
-        group_idx = group_scores.topk(self.topk_groups, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
-        masked = biased.masked_fill(~expert_mask, float("-inf"))
-        return masked.topk(self.top_k, dim=-1).indices
+        return select_experts(scores, self.expert_bias, self.num_groups, self.topk_groups, self.top_k)
 
     def update_expert_bias(self, rate: float) -> dict[str, float]:
         """This router alone: `update_expert_biases([self], rate)[0]`."""
         return update_expert_biases([self], rate)[0]
+
+
+@Fusable
+def route(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor, num_groups: int, topk_groups: int,
+          top_k: int, scaling: float) -> tuple[torch.Tensor, ...]:
+    """The router's maths: x [N, hidden] (any float dtype), router_weight [E, hidden], expert_bias fp32 [E] →
+    (topk_idx int64 [N, k], gates fp32 [N, k], z_loss, aux_loss fp32 scalars, counts int64 [E]); see `Router`."""
+    num_experts = router_weight.shape[0]
+    logits = F.linear(x.float(), router_weight.float())  # [N, E] fp32
+    scores = torch.sigmoid(logits)
+    topk_idx = select_experts(scores, expert_bias, num_groups, topk_groups, top_k)
+    weight = scores.gather(1, topk_idx)
+    weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * scaling
+    flat = topk_idx.flatten()  # scatter_add, not bincount: CUDA's bincount waits for the host twice
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    # switch-style balance loss on normalised scores: E · Σ_e f_e · P_e
+    probs = scores / scores.sum(-1, keepdim=True)
+    aux_loss = num_experts * (counts.float() / topk_idx.numel() * probs.mean(0)).sum()
+    return topk_idx, weight, z_loss, aux_loss, counts
+
+
+@torch.no_grad()
+def select_experts(scores: torch.Tensor, expert_bias: torch.Tensor, num_groups: int, topk_groups: int,
+                   top_k: int) -> torch.Tensor:
+    """scores fp32 [N, E], expert_bias fp32 [E] → int64 [N, k]: the top-k biased scores inside the top
+    `topk_groups` groups (a group's score: the sum of its top-2 biased scores)."""
+    n = scores.shape[0]
+    biased = scores + expert_bias
+    grouped = biased.view(n, num_groups, -1)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+    group_idx = group_scores.topk(topk_groups, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
+    masked = biased.masked_fill(~expert_mask, float("-inf"))
+    return masked.topk(top_k, dim=-1).indices
 
 
 @torch.no_grad()
@@ -230,6 +250,7 @@ class MoE(nn.Module):
             if config.num_shared_experts > 0 else None
         )
         self.pad_multiple = config.moe_pad_multiple if config.pad_for_fp8_resolved else 1
+        self.compile_ops = config.compile_ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         """x [B, T, H] → ([B, T, H], router output)."""
@@ -248,10 +269,11 @@ class MoE(nn.Module):
         through the expert-parallel exchange (the sender plans without padding; the experts' side pads)."""
         if self.ep_group is None:
             with scope("dispatch"):
-                plan = plan_dispatch(topk_idx, self.router.num_experts, self.pad_multiple)
+                plan = plan_dispatch(topk_idx, self.router.num_experts, self.pad_multiple,
+                                     use_compiled(self.compile_ops, x))
             with scope("experts"):
                 return self.experts(x, topk_weight, plan)
         with scope("dispatch"):
-            plan = plan_dispatch(topk_idx, self.router.num_experts)
+            plan = plan_dispatch(topk_idx, self.router.num_experts, compiled=use_compiled(self.compile_ops, x))
         with scope("expert_parallel"):
             return expert_parallel(self.experts, x, topk_weight, plan, self.pad_multiple, self.ep_group)
