@@ -119,7 +119,10 @@ class CachedLaunch:
             return self.kernel[grid](*args, **kwargs)
         device = self._current_device()
         key = (device, _signature_key(args, kwargs))
-        compiled = self.compiled.get(key)
+        try:
+            compiled = self.compiled.get(key)
+        except TypeError:  # an unhashable argument (a list): no signature to cache
+            return self.kernel[grid](*args, **kwargs)
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if len(self.compiled) >= _CACHE_LIMIT:

@@ -99,6 +99,14 @@ def test_off_or_without_a_compiled_kernel_every_launch_is_tritons(monkeypatch):
     assert [e[0] for e in interp.log] == ["triton"] * 3
 
 
+def test_an_unhashable_argument_is_left_to_triton(cache_on):
+    fake = FakeJIT()
+    k = cached(fake)
+    for _ in range(2):
+        k[(1,)](torch.zeros(4), [1, 2], 1, BLOCK=32)
+    assert [e[0] for e in fake.log] == ["triton", "triton"] and not k.compiled
+
+
 def test_the_cache_restarts_past_its_limit_and_attributes_pass_through(cache_on, monkeypatch):
     monkeypatch.setattr(tu, "_CACHE_LIMIT", 3)
     fake = FakeJIT()
