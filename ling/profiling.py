@@ -78,8 +78,15 @@ def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
     of the forward op that created its autograd node (same thread and sequence number); AccumulateGrad nodes
     and the events outside any range that run on another thread while a `grad_reduce` range is open go to
     the gradient-reduction part."""
+    return attribute_each(events, (cuda,))[0]
+
+
+def attribute_each(events, kinds: tuple[bool, ...]) -> list[dict[str, dict[str, float]]]:
+    """`attribute(events, cuda)` for each `cuda` in `kinds`, in one pass over the events (each event's part is
+    resolved once): e.g. (True, False) → [kernel time by part, the ops' host self time by part]."""
+    events = sorted(events, key=lambda e: e.time_range.start)
     forward_part, reduce_ranges = {}, []
-    for e in sorted(events, key=lambda e: e.time_range.start):
+    for e in events:
         if e.name == GRAD_REDUCE_SCOPE:
             reduce_ranges.append((e.time_range.start, e.time_range.end, e.thread))
         elif e.sequence_nr >= 0 and not e.name.startswith(BACKWARD):
@@ -92,13 +99,15 @@ def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
     def in_reduce(e) -> bool:  # outside any range on its thread, inside engine.backward() in time
         return any(s <= e.time_range.start and e.time_range.end <= t and e.thread != th for s, t, th in reduce_ranges)
 
-    parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for e in events:
+    def items(e, cuda: bool) -> list[tuple[str, float]]:
         if cuda:
-            items = [(k.name, k.duration) for k in e.kernels]
-        else:
-            items = [(e.name, e.self_cpu_time_total)] if _is_cpu_op(e) else []
-        if not items:
+            return [(k.name, k.duration) for k in e.kernels]
+        return [(e.name, e.self_cpu_time_total)] if _is_cpu_op(e) else []
+
+    results: list[dict[str, dict[str, float]]] = [defaultdict(lambda: defaultdict(float)) for _ in kinds]
+    for e in events:
+        found = [items(e, cuda) for cuda in kinds]
+        if not any(found):
             continue
         part, node = _scope_of(e)
         if node is not None:
@@ -106,9 +115,10 @@ def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
                     else forward_part.get((node.fwd_thread, node.sequence_nr)) or OTHER)
         elif part is None:
             part = GRAD_REDUCE if in_reduce(_root(e)) else OTHER
-        for name, us in items:
-            parts[part][name] += us
-    return parts
+        for parts, pairs in zip(results, found):
+            for name, us in pairs:
+                parts[part][name] += us
+    return results
 
 
 def _root(event):
@@ -226,10 +236,11 @@ class ProfileSummary:
 def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> ProfileSummary:
     """Profiler events of `steps` steps → ProfileSummary (wall time `wall_s` over all of them, if measured)."""
     events = list(events)
-    return ProfileSummary(attribute(events, cuda), steps, cuda,
+    parts = attribute_each(events, (True, False) if cuda else (False,))
+    return ProfileSummary(parts[0], steps, cuda,
                           wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
                           busy_ms=busy_us(events) / steps / 1e3 if cuda else None,
-                          host_parts=attribute(events, cuda=False) if cuda else None)
+                          host_parts=parts[1] if cuda else None)
 
 
 @contextlib.contextmanager
