@@ -14,8 +14,10 @@ fresh `python train.py` process (so peak memory is its own) on synthetic data;
 the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU),
 the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
 speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
-memory is an "OOM" row. `--profile VARIANT` runs that variant's last step under torch.profiler
-(`train.profile_step`, left out of its medians) and prints its grouped table after the main one. Not imported by
+memory is an "OOM" row. `--profile V1,V2` runs those variants' last step under torch.profiler
+(`train.profile_step`, left out of the medians) and prints the grouped tables after the main one;
+`--profile-python V` runs one step of those variants under cProfile (`train.profile_python_step`, the step before the
+torch-profiled one when both are asked) and prints the host-time tables. Not imported by
 the library (bench/bench_scaling.py reuses `summarize_run`).
 """
 
@@ -93,7 +95,7 @@ def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
 
 def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
     """(micro-batch, train.py overrides) of one variant."""
-    base, no_mtp, micro, recompute = parse_variant(spec, args.micro, getattr(args, "recompute", "none"))
+    base, no_mtp, micro, recompute = parse_variant(spec, args.micro, args.recompute)
     return micro, [*VARIANTS[base], f"train.micro_batch_size={micro}", f"model.recompute={recompute}",
                    *(["model.num_mtp_layers=0"] if no_mtp else [])]
 
@@ -152,8 +154,8 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
             "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
 
 
-HEADER = ["variant", "micro-batch", "recompute", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB", "vs bf16",
-          "optimizer state GiB", "loss first→last"]
+HEADER = ["variant", "micro-batch", "recompute", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB",
+          "vs bf16", "optimizer state GiB", "loss first→last"]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
@@ -229,9 +231,9 @@ def main(argv: list[str] | None = None) -> None:
                                 ("--profile-python", args.profile_python, python_profiled)):
         if not chosen <= set(specs):
             raise SystemExit(f"{flag} {value}: not among --variants ({args.variants})")
-    # the last step: the profiler's after-effects (CUPTI still attached, freed buffers) would slow the steps after
-    # it, so the timed steps all come before it (measured on e64 fp8: 4.7-5.4 s per step before, 5.7-6.2 after);
-    # cProfile takes the step before it when both profile one variant
+    # the last step: the profiler's after-effects (CUPTI still attached, freed buffers) slow the steps after it
+    # (measured on e64 fp8, README), so the timed steps all come before it; cProfile takes the step before it when
+    # both profile one variant
     profile_step = args.steps
     both = bool(profiled & python_profiled)
     need = args.warmup + 2 + both
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                          "profiled and left out of the medians, at least one timed step after --warmup)")
     results, searched = [], []
     for s in specs:
-        if parse_variant(s, args.micro, args.recompute)[2] is None:  # NAME@max: search, then measure the largest that fits
+        if parse_variant(s, args.micro, args.recompute)[2] is None:  # NAME@max: search, then measure the largest
             fits, log = largest_micro(s, args)
             searched += log
             if fits is None:

@@ -57,8 +57,8 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # `cached_specialization`: repeat launches of a kernel with an argument signature seen before (the same dtypes,
 # 16-byte alignments, integer values, constexprs and options) call the compiled kernel straight away instead of
-# going through `JITFunction.run` (argument binding, one specialisation call per argument, the cache key: about
-# 20-40 µs of host time per launch on the H200's host). Off until the GPU test
+# going through `JITFunction.run` (argument binding, one specialisation call per argument, the cache key; its host
+# cost is in the README's "Launch overhead"). Off until the GPU test
 # (tests/test_fp8_launch.py::test_gpu_cached_launch_is_bit_identical) and `bench/bench_fp8_linear.py --host` have
 # run on this Triton version; LING_FP8_CACHED_LAUNCH=1 in the environment turns it on for a process (e.g. a
 # train.py run to compare).
@@ -112,11 +112,11 @@ class CachedLaunch:
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
+        if not LAUNCH_OPTIONS["cached_specialization"]:  # off: Triton's own launcher, nothing in between
+            return self.kernel[grid]
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if not LAUNCH_OPTIONS["cached_specialization"]:
-            return self.kernel[grid](*args, **kwargs)
         device = self._current_device()
         key = (device, _signature_key(args, kwargs))
         try:

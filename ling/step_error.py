@@ -11,8 +11,8 @@ Each computes the training loss and its gradient on the same held-out batches. R
 averaged: the relative loss difference of `bf16` and `fp8` against `fp32` (mean and 95 % t-interval over
 batches), and the gradient's relative error ‖g − g_fp32‖ / ‖g_fp32‖ and cosine similarity, overall and per
 parameter group, and the share of token→expert assignments that differ from the fp32 model's (a perturbation that
-flips a routing decision moves a whole token between experts). BF16's own error is the yardstick: an FP8 error of the same order per step is the most a
-BF16 run could hope to match.
+flips a routing decision moves a whole token between experts). BF16's own error is the yardstick: an FP8 error
+of the same order per step is the most a BF16 run could hope to match.
 
 Memory: three models and their gradients, plus one fp32 gradient copy (fine for the parity model; a
 5B-parameter model needs ~70 GB).

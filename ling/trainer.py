@@ -218,7 +218,7 @@ class Trainer:
         metrics: dict[str, Any] = {}
         self.engine.train()
         for step in range(self.start_step + 1, total + 1):
-            with self.profiler.step(step):  # torch.profiler on train.profile_step only
+            with self.profiler.step(step):  # train.profile_step / profile_python_step only
                 metrics = self.train_step(step)
             stopping = self.stop_requested and step < total
             if _due(int(tc.eval_every), step, total) and not stopping:

@@ -71,10 +71,6 @@ class Router(nn.Module):
             self.tokens_per_expert += counts.float()
         return RouterOutput(topk_idx, weight, z_loss, aux_loss, counts)
 
-    def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores fp32 [N, E] → int64 [N, k] experts chosen on biased scores within the top groups."""
-        return select_experts(scores, self.expert_bias, self.num_groups, self.topk_groups, self.top_k)
-
     def update_expert_bias(self, rate: float) -> dict[str, float]:
         """This router alone: `update_expert_biases([self], rate)[0]`."""
         return update_expert_biases([self], rate)[0]

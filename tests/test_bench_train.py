@@ -74,8 +74,8 @@ def test_largest_against_largest_line():
 
 
 def result(variant: str, micro: int, tokens: float, mem: float, recompute: str = "none") -> dict:
-    return {"variant": variant, "micro": micro, "recompute": recompute, "tokens_per_s": tokens, "tflops": tokens / 100, "mfu": 0.25,
-            "peak_mem_gib": mem, "optim_state_gib": 1.5, "loss_first": 10.0, "loss_last": 9.5}
+    return {"variant": variant, "micro": micro, "recompute": recompute, "tokens_per_s": tokens, "tflops": tokens / 100,
+            "mfu": 0.25, "peak_mem_gib": mem, "optim_state_gib": 1.5, "loss_first": 10.0, "loss_last": 9.5}
 
 
 def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setting():

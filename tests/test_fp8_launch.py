@@ -134,8 +134,13 @@ def _fp8_ops_outputs(seed: int) -> list[torch.Tensor]:
     forward and backward: their outputs and gradients."""
     from fp8.gemm import fp8_gemm, fp8_gemm_wgrad
     from fp8.linear import FP8Linear
-    from fp8.quant import fp8_transpose_128x128, quantize_1x128, quantize_1x128_dual, quantize_1x128_transposed, \
-        quantize_128x128
+    from fp8.quant import (
+        fp8_transpose_128x128,
+        quantize_1x128,
+        quantize_1x128_dual,
+        quantize_1x128_transposed,
+        quantize_128x128,
+    )
     from model.config import ModelConfig
     from model.moe import MoE
 

@@ -52,5 +52,6 @@ def test_config_defaults_and_refusals():
     with pytest.raises(ValueError, match="deepspeed.grad_accum_dtype='fp16' is unknown"):
         deepspeed_config(_cfg(2, "fp16"), use_bf16=True)
     for stage in (0, 1):
-        with pytest.raises(ValueError, match=f"grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3 \\(got {stage}\\)"):
+        want = f"grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3 \\(got {stage}\\)"
+        with pytest.raises(ValueError, match=want):
             deepspeed_config(_cfg(stage, "fp32"), use_bf16=True)
