@@ -34,7 +34,8 @@ input dtype: BF16 under DeepSpeed bf16), the monitor's per-layer fallback.
 Ablation (`set_ablation(components)`, config `fp8.ablate`): each named component of `ABLATION_COMPONENTS` runs
 in high precision while the others keep their FP8 rounding; the GEMMs then run as fp32 matmuls of the
 dequantized (or exact) operands (`_AblatedFP8Fn`, slower, for experiments only; an ablated layer collects no
-health). With no component ablated on CPU it computes exactly what the FP8 path computes.
+health). `EMULATED` alone takes that path with nothing in high precision: on CPU it computes exactly what the FP8
+path computes, on CUDA the same rounded operands summed in another order (the ablations' baseline).
 
 Devices: CUDA tensors run the Triton kernels; CPU tensors run the same maths in PyTorch (fp8/quant.py and
 fp8/gemm.py references), so `precision=fp8` also trains on CPU (fp32 in, fp32 out).
@@ -63,13 +64,16 @@ from fp8.quant import (
     quantize_tensorwise,
 )
 
-__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "RECIPES", "ABLATION_COMPONENTS"]
+__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "RECIPES", "ABLATION_COMPONENTS", "EMULATED"]
 
 RECIPES = ("blockwise", "tensorwise")
 # What `FP8Linear.set_ablation` can keep in high precision: the forward's x and W, dgrad's dy and W, wgrad's dyᵀ
 # and xᵀ, and the rounding of dW to the weight's dtype in the wgrad epilogue (with a bf16 weight autograd rounds
 # the returned fp32 dW to bf16 at once, round to nearest even like the epilogue: bit-identical, see README).
-ABLATION_COMPONENTS = ("fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x", "wgrad_bf16")
+# EMULATED keeps every operand rounded but runs the GEMMs as the ablation path's fp32 matmuls: the baseline that an
+# ablated layer is measured against (the Triton GEMMs sum in another order, which moves outputs by ~1 bf16 ulp).
+EMULATED = "emulated"
+ABLATION_COMPONENTS = ("fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x", "wgrad_bf16", EMULATED)
 _GENERATION = [0]
 
 

@@ -264,13 +264,15 @@ def _step_error_ablations(cfg: DictConfig) -> list[frozenset[str]]:
         if unknown:
             raise ValueError(f"step_error_ablate: unknown component(s) {unknown} in {entry!r}; known: {list(known)} "
                              "(the optimizer's adam_m / adam_v play no part in one step's error)")
-        out.append(parts)
+        if parts not in out:
+            out.append(parts)
     return out
 
 
 def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, batches: Iterable, steps: int,
                     device: torch.device, out_default: Path, source: Path, tag: Any, step: Any) -> dict[str, Any]:
     """eval.py mode=step_error (ling/step_error.py): the loaded fp32 model, its bf16 twin and its FP8 twin."""
+    from fp8.linear import ABLATION_COMPONENTS, EMULATED
     from ling.engine import apply_fp8_ablation
     from ling.step_error import format_step_errors, step_errors
     from model.ling import LingForCausalLM
@@ -282,7 +284,17 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
     variants = [("fp32", model_config.replace(precision="bf16"), torch.float32, frozenset()),
                 ("bf16", model_config.replace(precision="bf16"), torch.bfloat16, frozenset()),
                 ("fp8", fp8_config, torch.bfloat16, frozenset())]
-    variants += [(f"fp8-no-{'+'.join(sorted(a))}", fp8_config, torch.bfloat16, a) for a in _step_error_ablations(cfg)]
+    # an entry with FP8Linear components is measured against the FP8 copy whose FP8Linears take the same emulated
+    # GEMM path with nothing in high precision (the Triton GEMMs sum in another order); "experts" alone against fp8
+    ablations = _step_error_ablations(cfg)
+    baselines = {}
+    for a in ablations:
+        name = "fp8-emulated" if a == {EMULATED} else f"fp8-no-{'+'.join(sorted(a))}"
+        variants.append((name, fp8_config, torch.bfloat16, a))
+        if a != {EMULATED}:
+            baselines[name] = "fp8-emulated" if (a & set(ABLATION_COMPONENTS)) - {EMULATED} else "fp8"
+    if "fp8-emulated" in baselines.values() and frozenset({EMULATED}) not in ablations:
+        variants.append(("fp8-emulated", fp8_config, torch.bfloat16, frozenset({EMULATED})))
     models: dict[str, nn.Module] = {}
     for name, config, dtype, ablate in variants:
         with torch.device(device):
@@ -292,7 +304,7 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
     del reference
     t0 = time.perf_counter()
     record = {"checkpoint": str(source), "tag": tag, "step": step, "split": str(cfg.split), "mode": "step_error",
-              "device": device.type, **step_errors(models, batches, device, steps)}
+              "device": device.type, **step_errors(models, batches, device, steps, baselines)}
     record["seconds"] = time.perf_counter() - t0
     out = Path(cfg.output) if cfg.get("output") else out_default
     _atomic_write_json(out, record)

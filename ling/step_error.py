@@ -58,14 +58,20 @@ def parameter_group(name: str) -> str:
 @dataclass
 class _Sums:
     """Per candidate and group, over all batches: float64 [4] = (Σ‖g − g_ref‖², Σ‖g_ref‖², Σ⟨g, g_ref⟩, Σ‖g‖²),
-    kept on the device (no host sync per parameter) until read."""
+    kept on the device (no host sync per parameter) until read; `per_batch` holds each batch's totals over all
+    groups (the same four sums)."""
 
     by_group: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_batch: list[torch.Tensor] = field(default_factory=list)
+
+    def start_batch(self) -> None:
+        self.per_batch.append(torch.zeros(4, dtype=torch.float64))
 
     def add(self, group: str, g: torch.Tensor, g_ref: torch.Tensor) -> None:
         g, g_ref = g.double(), g_ref.double()
         terms = torch.stack([(g - g_ref).square().sum(), g_ref.square().sum(), (g * g_ref).sum(), g.square().sum()])
         self.by_group[group] = self.by_group[group] + terms if group in self.by_group else terms
+        self.per_batch[-1] = self.per_batch[-1].to(terms.device) + terms
 
     def _totals(self, group: str | None) -> list[float]:
         if group is not None:
@@ -79,6 +85,10 @@ class _Sums:
     def cosine(self, group: str | None = None) -> float:
         _, ref, dot, own = self._totals(group)
         return dot / max(math.sqrt(own * ref), 1e-300)
+
+    def batch_rel_errs(self) -> list[float]:
+        """‖g − g_ref‖ / ‖g_ref‖ over all parameters, one per batch."""
+        return [math.sqrt(d / max(r, 1e-300)) for d, r, _, _ in torch.stack(self.per_batch).tolist()]
 
 
 def _loss_and_grads(model: nn.Module, batch: Mapping[str, torch.Tensor]
@@ -109,10 +119,13 @@ def _changed_assignments(routes: list[torch.Tensor], ref: list[torch.Tensor]) ->
 
 
 def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, torch.Tensor]],
-                device: torch.device | str, max_batches: int) -> dict[str, Any]:
-    """models: {"fp32": reference, "bf16": ..., "fp8": ...} holding the same weights; batches: the loader's dicts.
+                device: torch.device | str, max_batches: int,
+                baselines: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """models: {"fp32": reference, "bf16": ..., "fp8": ..., more FP8 copies} holding the same weights; batches:
+    the loader's dicts; baselines: {ablated copy: the copy its effect is measured against}.
     → the record described in the module doc (losses per batch and model, relative loss differences with their
-    intervals, gradient relative errors and cosines overall and per group)."""
+    intervals, gradient relative errors and cosines overall and per group, each batch's overall gradient error,
+    and per ablated copy its paired effect against its baseline)."""
     for m in models.values():
         m.train()
     candidates = [c for c in models if c != REFERENCE]
@@ -133,6 +146,7 @@ def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, 
             changed, total = _changed_assignments(routes, ref_routes)
             flips[c][0] += changed
             flips[c][1] += total
+            sums[c].start_batch()
             for name, g_ref in ref_grads.items():
                 g = grads.get(name)
                 sums[c].add(parameter_group(name), torch.zeros_like(g_ref) if g is None else g, g_ref)
@@ -144,10 +158,22 @@ def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, 
     if {"fp8", "bf16"} <= set(candidates):
         rel["fp8_vs_bf16"] = spread([a / b - 1 for a, b in zip(losses["fp8"], losses["bf16"])])
     groups = sorted(sums[candidates[0]].by_group)
+    batch_errs = {c: sums[c].batch_rel_errs() for c in candidates}
+    routing = {c: f[0] / f[1] if f[1] else None for c, f in flips.items()}
+    effects = {}
+    for c, b in (baselines or {}).items():
+        effects[c] = {
+            "baseline": b,
+            # paired over batches: (loss_c − loss_b) / loss_fp32, and the change of the overall gradient error
+            "loss_rel": spread([(a - z) / r for a, z, r in zip(losses[c], losses[b], losses[REFERENCE])]),
+            "grad_rel_err": spread([e - f for e, f in zip(batch_errs[c], batch_errs[b])]),
+            "routing_changed": None if routing[c] is None else routing[c] - routing[b],
+        }
     return {
-        "batches": n, "loss": losses, "loss_rel": rel,
+        "batches": n, "loss": losses, "loss_rel": rel, "grad_rel_err_batches": batch_errs,
+        "grad_rel_err_spread": {c: spread(v) for c, v in batch_errs.items()}, "ablation_effect": effects,
         # share of token→expert assignments (all routers, all tokens) that differ from the fp32 model's
-        "routing_changed": {c: f[0] / f[1] if f[1] else None for c, f in flips.items()},
+        "routing_changed": routing,
         "grad_rel_err": {c: {"all": sums[c].rel_err(), **{g: sums[c].rel_err(g) for g in groups}} for c in candidates},
         "grad_cosine": {c: {"all": sums[c].cosine(), **{g: sums[c].cosine(g) for g in groups}} for c in candidates},
     }
@@ -165,6 +191,19 @@ def format_step_errors(record: Mapping[str, Any]) -> str:
     if any(v is not None for v in record.get("routing_changed", {}).values()):
         lines += ["", "Token→expert assignments that differ from fp32's: " + ", ".join(
             f"{c} {100 * v:.2f} %" for c, v in record["routing_changed"].items() if v is not None)]
+    if spreads := record.get("grad_rel_err_spread"):
+        lines += ["", "Gradient rel. error over all parameters, per batch: " + ", ".join(
+            f"{c} {r['mean']:.3e} [{r['ci_low']:.3e}, {r['ci_high']:.3e}]" for c, r in spreads.items())]
+    if record.get("ablation_effect"):
+        lines += ["", "Ablation: each copy against its baseline, paired over batches (mean [95 % interval]); "
+                  "a negative change means that component's FP8 rounding added error", "",
+                  "| copy | baseline | Δ loss (rel. to fp32) | Δ gradient rel. error | Δ assignments changed |",
+                  "|---|---|---|---|---|"]
+        for c, e in record["ablation_effect"].items():
+            dl, dg, dr = e["loss_rel"], e["grad_rel_err"], e["routing_changed"]
+            lines.append(f"| {c} | {e['baseline']} | {pct(dl['mean'])} [{pct(dl['ci_low'])}, {pct(dl['ci_high'])}] | "
+                         f"{dg['mean']:+.2e} [{dg['ci_low']:+.2e}, {dg['ci_high']:+.2e}] | "
+                         + ("–" if dr is None else f"{100 * dr:+.2f} pp") + " |")
     lines += ["", "| gradient group | " + " | ".join(f"{c}: rel. err / cosine" for c in cands) + " |",
               "|---|" + "---|" * len(cands)]
     for g in record["grad_rel_err"][cands[0]]:

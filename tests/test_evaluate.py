@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ling.evaluate import evaluate, run_eval, split_steps
+from ling.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
 
@@ -302,11 +303,26 @@ def test_eval_step_error_mode_end_to_end(tiny_runs):
 
 def test_step_error_ablation_copies(tiny_runs):
     """step_error_ablate: a backward-only component (dgrad) leaves every loss exactly as the full FP8 copy's and
-    changes the gradient; the forward's x quantization changes the loss; an unknown component is refused."""
+    changes the gradient; the forward's x quantization changes the loss; FP8Linear entries are measured against
+    the emulated copy (on CPU the FP8 copy exactly), "experts" against fp8, paired per batch; an unknown component
+    is refused."""
     run = tiny_runs / "bf16"
-    rec = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error", output=run / "se3.json",
-                            step_error_ablate="[dgrad_dy,fwd_x]"))
+    rec = run_eval(eval_cfg(checkpoint=run, batches=3, mode="step_error", output=run / "se3.json",
+                            step_error_ablate="[dgrad_dy,fwd_x,experts]"))
     assert rec["loss"]["fp8-no-dgrad_dy"] == rec["loss"]["fp8"] != rec["loss"]["fp8-no-fwd_x"]
     assert rec["grad_rel_err"]["fp8-no-dgrad_dy"]["all"] != rec["grad_rel_err"]["fp8"]["all"]
+    assert rec["loss"]["fp8-emulated"] == rec["loss"]["fp8"]  # CPU: the emulated path is the recipe, bit for bit
+    assert rec["grad_rel_err_batches"]["fp8-emulated"] == rec["grad_rel_err_batches"]["fp8"]
+    effects = rec["ablation_effect"]
+    assert {c: e["baseline"] for c, e in effects.items()} == {
+        "fp8-no-dgrad_dy": "fp8-emulated", "fp8-no-fwd_x": "fp8-emulated", "fp8-no-experts": "fp8"}
+    dgrad = effects["fp8-no-dgrad_dy"]
+    assert dgrad["loss_rel"]["mean"] == dgrad["loss_rel"]["ci_low"] == dgrad["loss_rel"]["ci_high"] == 0.0
+    assert dgrad["routing_changed"] == 0.0  # a backward-only switch moves no routing decision
+    errs = rec["grad_rel_err_batches"]
+    assert dgrad["grad_rel_err"]["n"] == 3 and dgrad["grad_rel_err"]["mean"] == pytest.approx(
+        sum(a - b for a, b in zip(errs["fp8-no-dgrad_dy"], errs["fp8-emulated"])) / 3, rel=1e-12)
+    assert effects["fp8-no-fwd_x"]["loss_rel"]["mean"] != 0
+    assert "| fp8-no-experts | fp8 |" in format_step_errors(rec)
     with pytest.raises(ValueError, match=r"step_error_ablate: unknown component\(s\) \['adam_v'\]"):
         run_eval(eval_cfg(checkpoint=run, batches=1, mode="step_error", step_error_ablate="[adam_v]"))

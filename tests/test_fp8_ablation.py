@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8.linear import ABLATION_COMPONENTS, FP8Linear
+from fp8.linear import ABLATION_COMPONENTS, EMULATED, FP8Linear
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
 from tests.test_config import compose_cfg
 from tests.test_fp8_linear import run
@@ -66,6 +66,8 @@ def test_no_switch_is_the_recipe_and_wgrad_rounding_is_autograds():
         ablated = run(layer, x.to(dtype), dy.to(dtype))
         assert ablated[2].dtype == dtype
         assert all(torch.equal(a, b) for a, b in zip(ablated, recipe)), dtype
+        layer.set_ablation({EMULATED})  # the ablation path, nothing in high precision: on CPU the recipe exactly
+        assert layer.ablate and all(torch.equal(a, b) for a, b in zip(run(layer, x.to(dtype), dy.to(dtype)), recipe))
 
 
 def test_bad_components_are_named():
@@ -73,7 +75,7 @@ def test_bad_components_are_named():
         FP8Linear(128, 128).set_ablation({"fwd_y"})
     with pytest.raises(ValueError, match="recipe='blockwise'"):
         FP8Linear(128, 128, recipe="tensorwise").set_ablation({"fwd_x"})
-    assert set(ABLATION_COMPONENTS) == {*CHANGES, "wgrad_bf16"}
+    assert set(ABLATION_COMPONENTS) == {*CHANGES, "wgrad_bf16", EMULATED}
 
 
 def test_config_reaches_layers_experts_and_optimizer():
