@@ -14,6 +14,10 @@ parameter group, and the share of token→expert assignments that differ from th
 flips a routing decision moves a whole token between experts). BF16's own error is the yardstick: an FP8 error
 of the same order per step is the most a BF16 run could hope to match.
 
+Ablation copies (`fp8-no-...`, FP8 with some components in high precision) are each compared with a baseline copy
+(`baselines`), paired over the batches: the change of the loss relative to fp32's and of the overall gradient
+error, with 95 % t-intervals, and the change of the changed routing assignments.
+
 Memory: three models and their gradients, plus one fp32 gradient copy (fine for the parity model; a
 5B-parameter model needs ~70 GB).
 """
