@@ -8,9 +8,9 @@ grouped GEMMs, the whole MoE layer forward+backward, the padded-row fraction and
 Grouped GEMMs (TFLOPS = 2·(routed rows)·N·K / median time; our padded rows are not counted): ours (blockwise
 FP8, fp8/grouped.py, with routing-map padding to 16) vs `torch._grouped_mm` bf16 vs `torch._scaled_grouped_mm`
 with rowwise FP8 scales (cuBLAS/CUTLASS; forward and dgrad only). MoE layer: router + dispatch + experts +
-combine + shared expert, forward+backward, FP8 (padding on/off) vs bf16, weights cached as within one
-optimizer step of gradient accumulation. Routing comes from the real router with random weights and a mild
-imbalance. Markdown tables are printed last.
+combine + shared expert, forward+backward, FP8 (padding on/off; with `fp8.expert_wgrad=bf16`) vs bf16, weights
+cached as within one optimizer step of gradient accumulation. Routing comes from the real router with random
+weights and a mild imbalance. Markdown tables are printed last.
 
 `--dispatch`: the dispatch of one layer without expert parallelism, on its own: `plan_dispatch` (routing-map
 padding to 16) and the bf16 permute + combine forward+backward, median ms, plus the host syncs counted by
@@ -186,11 +186,13 @@ def correctness(tokens: int, experts: int) -> dict:
 
 
 def layer_rows(tokens: int, experts: int) -> list[dict]:
-    """MoE layer forward+backward: bf16, FP8 with padding, FP8 without. Saved activations via saved-tensor hooks."""
+    """MoE layer forward+backward: bf16, FP8 with padding, FP8 without, FP8 with the bf16 expert wgrad
+    (`fp8.expert_wgrad=bf16`). Saved activations via saved-tensor hooks."""
     results = []
     base = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
     variants = {"bf16": base, "fp8, padding on": base.replace(precision="fp8"),
-                "fp8, padding off": base.replace(precision="fp8", pad_for_fp8=False)}  # fmt: skip
+                "fp8, padding off": base.replace(precision="fp8", pad_for_fp8=False),
+                "fp8, bf16 wgrad": base.replace(precision="fp8", fp8_expert_wgrad="bf16")}  # fmt: skip
     torch.manual_seed(0)
     state = None
     for name, cfg in variants.items():

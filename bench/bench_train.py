@@ -43,6 +43,7 @@ from ling.profiling import markdown  # noqa: E402
 VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],
     "fp8": ["precision=fp8", "optim=fp8_adamw"],
+    "fp8_bf16wgrad": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16"],  # experts' dW from bf16 operands
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
     "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
 }

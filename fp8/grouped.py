@@ -22,10 +22,17 @@ tokens, the SwiGLU and the gate multiply into the down projection's input quanti
 the same as g·(W_down·a), and its gradient needs only the 512-wide row dot <d(g·a), a>), and the combine into
 one ordered gather-sum (deterministic, no atomics). Saved for backward: xᵀ in FP8 (gate-up wgrad operand) and
 the SwiGLU input h in FP8 (DeepSeek-V3's choice); a = SwiGLU(h) is recomputed in backward.
+
+`wgrad="bf16"` (config `fp8.expert_wgrad`, off by default: a departure from the blockwise recipe) computes the two
+weight gradients from high-precision operands instead (`grouped_wgrad_bf16`: torch._grouped_mm on CUDA, fp32
+accumulation): dW_down[e] = Σ dy_rᵀ a_r and dW_gate_up[e] = Σ dh_rᵀ x_r over expert e's rows, with a recomputed
+from the FP8 h in the activations' dtype (`swiglu_output`). The forward then saves the tokens x [T, H] in their
+own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-dim quantization runs at all.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -67,6 +74,9 @@ __all__ = [
     "fp8_grouped_experts",
     "quantize_expert_weights",
     "swiglu_quantize_tokens",
+    "swiglu_output",
+    "grouped_wgrad_bf16",
+    "EXPERT_WGRAD",
     "set_grouped_config",
 ]
 
@@ -201,6 +211,26 @@ def grouped_gemm_wgrad_ref(
 
 def _silu(g: torch.Tensor) -> torch.Tensor:
     return g / (1.0 + torch.exp(-g))
+
+
+def swiglu_output(h_q: torch.Tensor, h_s: torch.Tensor, row_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a = silu(h_gate)·h_up·row_gate [M, I] in fp32 from the FP8 SwiGLU input h_q [M, 2I] (1x128 scales h_s),
+    rounded to `dtype`: the down projection's input before its quantization. Plain torch ops (compiled on CUDA by
+    `recompute_swiglu_output`)."""
+    h = dequantize_1x128(h_q, h_s)
+    inter = h.shape[1] // 2
+    return (_silu(h[:, :inter]) * h[:, inter:] * row_gate.float()[:, None]).to(dtype)
+
+
+def grouped_wgrad_bf16_ref(a: torch.Tensor, b: torch.Tensor, rows: GroupedRows, out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference of `grouped_wgrad_bf16`: out[g] = a[seg g]ᵀ · b[seg g] in fp32 over each segment's data rows
+    (pad rows left out, so that the shapes, and hence the bits, do not depend on padding); empty segments give
+    zeros. a [M, N], b [M, K] → [G, N, K]."""
+    out = torch.zeros(rows.num_groups, a.shape[1], b.shape[1], dtype=out_dtype, device=a.device)
+    for g, (lo, hi) in enumerate(rows.host_segments()):
+        if hi > lo:
+            out[g] = (a[lo:hi].float().t() @ b[lo:hi].float()).to(out_dtype)
+    return out
 
 
 def swiglu_quantize_ref(h: torch.Tensor, row_gate: torch.Tensor, pow2_scales: bool = False):
@@ -738,12 +768,42 @@ def swiglu_quantize_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """aᵀ for the down projection's wgrad, recomputed from the FP8 SwiGLU input: a = silu·up·gate (fp32) of
     dequantized h, quantized along tokens per segment → (E4M3 [I, M], scale [I, max_blocks])."""
-    inter = h_q.shape[1] // 2
     if not use_triton(h_q, backend):
-        h = dequantize_1x128(h_q, h_s)
-        a = _silu(h[:, :inter]) * h[:, inter:] * row_gate.float()[:, None]
-        return quantize_tokens_grouped_ref(a, rows, None, pow2_scales)
-    return _launch_tokens_grouped(h_q, h_s, None, row_gate, rows, inter, 2, pow2_scales)
+        return quantize_tokens_grouped_ref(swiglu_output(h_q, h_s, row_gate, torch.float32), rows, None, pow2_scales)
+    return _launch_tokens_grouped(h_q, h_s, None, row_gate, rows, h_q.shape[1] // 2, 2, pow2_scales)
+
+
+@functools.cache
+def _compiled(fn):
+    """`fn` through torch.compile (Inductor fuses its elementwise chain into one kernel), built on first use; casts
+    round as in eager (`emulate_precision_casts`). `dynamic=None`: one static graph while the row count stays (one
+    per step shape), one dynamic graph once it changes (the expert-parallel receiver's rows change every call)."""
+    return torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
+
+
+def recompute_swiglu_output(h_q: torch.Tensor, h_s: torch.Tensor, row_gate: torch.Tensor, dtype: torch.dtype, *,
+                            backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """`swiglu_output`: compiled on CUDA (one fused kernel), eager on the reference path."""
+    fn = _compiled(swiglu_output) if use_triton(h_q, backend) and h_q.is_cuda else swiglu_output
+    return fn(h_q, h_s, row_gate, dtype)
+
+
+def grouped_wgrad_bf16(a: torch.Tensor, b: torch.Tensor, rows: GroupedRows, out_dtype: torch.dtype, *,
+                       backend: str | None = None) -> torch.Tensor:  # fmt: skip
+    """High-precision wgrad grouped GEMM: out [G, N, K], out[g] = a[seg g]ᵀ · b[seg g] (the sum over expert g's
+    rows) with fp32 accumulation, for a [M, N] and b [M, K] in one float dtype; rows past rows.total are ignored.
+
+    On CUDA with bf16 operands: one `torch._grouped_mm` in its 2-D × 2-D form (the ragged dim is the reduction,
+    offs = the segment ends; aᵀ is passed as the column-major view, the layout whose empty groups the kernel
+    accepts), bf16 output cast to out_dtype. Elsewhere (and with backend="torch"): the loop reference."""
+    _check_rows(rows, a.shape[0], "a")
+    _check_rows(rows, b.shape[0], "b")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must share a dtype, got {a.dtype} and {b.dtype}")
+    if not (use_triton(a, backend) and a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return grouped_wgrad_bf16_ref(a, b, rows, out_dtype)
+    out = torch._grouped_mm(a.contiguous().t(), b.contiguous(), offs=rows.offsets[1:])
+    return out.to(out_dtype)
 
 
 def swiglu_backward(
@@ -809,11 +869,15 @@ def sum_rows(y: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype | None =
 # ----------------------------------------------------------------------------------------------------------
 # FP8 grouped experts (SwiGLU MLPs) with gathered input, gated output and the combine
 # ----------------------------------------------------------------------------------------------------------
+EXPERT_WGRAD = ("fp8", "bf16")  # fp8_grouped_experts(wgrad=...): the experts' weight-gradient operands
+
+
 class _FP8GroupedExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weight, w_gate_up, w_down, wq, route, pow2: bool, need_grad: bool):
+    def forward(ctx, x, topk_weight, w_gate_up, w_down, wq, route, pow2: bool, need_grad: bool, wgrad: str):
         """x [T, H] (unpermuted tokens), topk_weight [T, k] → routed [T, H] = Σ_j gate·expert(x) in x's dtype.
-        need_grad: a backward will follow (grad mode was on at the call; inside forward it is always off)."""
+        need_grad: a backward will follow (grad mode was on at the call; inside forward it is always off).
+        wgrad: "fp8" (the recipe: saves xᵀ in FP8) or "bf16" (saves x itself; see the module docstring)."""
         row_src, pos, rows = route
         gu_q, gu_s, d_q, d_s = wq
         m = rows.num_rows
@@ -821,21 +885,26 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         row_gate.scatter_(0, pos.reshape(-1).long(), topk_weight.reshape(-1).float())
         need_wgrad = need_grad and (w_gate_up.requires_grad or w_down.requires_grad)
         x_q, x_s = quantize_rows_gathered(x, row_src, rows, pow2)
-        xt = quantize_tokens_grouped(x, rows, row_src, pow2) if need_wgrad else (None, None)
+        if not need_wgrad:
+            wgrad_saved = ()
+        elif wgrad == "bf16":
+            wgrad_saved = (x,)
+        else:
+            wgrad_saved = quantize_tokens_grouped(x, rows, row_src, pow2)
         h = grouped_gemm(x_q, x_s, gu_q, gu_s, rows, out_dtype=x.dtype)
         del x_q, x_s
         a_q, a_s, h_q, h_s = swiglu_quantize(h, row_gate, rows, save_h=need_grad, pow2_scales=pow2)
         del h
         y = grouped_gemm(a_q, a_s, d_q, d_s, rows, out_dtype=x.dtype)
         out = sum_rows(y, pos, out_dtype=x.dtype)
-        ctx.save_for_backward(*xt, h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos)
-        ctx.rows, ctx.pow2, ctx.need_wgrad = rows, pow2, need_wgrad
+        ctx.save_for_backward(h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos, *wgrad_saved)
+        ctx.rows, ctx.pow2, ctx.need_wgrad, ctx.wgrad = rows, pow2, need_wgrad, wgrad
         ctx.dtypes = (x.dtype, topk_weight.dtype, w_gate_up.dtype, w_down.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        xt_q, xt_s, h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos = ctx.saved_tensors
+        h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos, *wgrad_saved = ctx.saved_tensors
         rows, pow2 = ctx.rows, ctx.pow2
         x_dtype, w_dtype, gu_dtype, d_dtype = ctx.dtypes
         dout = dout.contiguous()
@@ -847,7 +916,14 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         dh, dh_q, dh_s, d_gate = swiglu_backward(h_q, h_s, da, row_gate, rows, pow2)
         del da
         dw_gu = dw_d = None
-        if ctx.need_wgrad:
+        if ctx.need_wgrad and ctx.wgrad == "bf16":
+            (x,) = wgrad_saved
+            a = recompute_swiglu_output(h_q, h_s, row_gate, x_dtype)  # pad rows: gate 0 → a = 0
+            dw_d = grouped_wgrad_bf16(gather_rows(dout, row_src), a, rows, d_dtype)  # pad rows read dy = 0
+            del a
+            dw_gu = grouped_wgrad_bf16(dh, gather_rows(x, row_src), rows, gu_dtype)
+        elif ctx.need_wgrad:
+            xt_q, xt_s = wgrad_saved
             dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
             at_q, at_s = swiglu_quantize_tokens(h_q, h_s, row_gate, rows, pow2)
             dw_d = grouped_gemm_wgrad(dyt_q, dyt_s, at_q, at_s, rows, out_dtype=d_dtype)
@@ -861,7 +937,7 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         del gwt_q, gwt_s, dh_q, dh_s
         dx = sum_rows(dx_perm, pos, out_dtype=x_dtype)
         d_topk = d_gate[pos.long()].to(w_dtype)
-        return dx, d_topk, dw_gu, dw_d, None, None, None, None
+        return dx, d_topk, dw_gu, dw_d, None, None, None, None, None
 
 
 def fp8_grouped_experts(
@@ -874,6 +950,7 @@ def fp8_grouped_experts(
     pos: torch.Tensor,
     rows: GroupedRows,
     pow2_scales: bool = False,
+    wgrad: str = "fp8",
 ) -> torch.Tensor:
     """Routed SwiGLU experts in blockwise FP8, combine included: out[t] = Σ_j w[t, j]·expert_e(x[t]).
 
@@ -881,7 +958,11 @@ def fp8_grouped_experts(
     gate | up) and w_down [E, H, I] the parameters (gradients flow to them); quantized_weights = their
     128x128 FP8 forms (gu_q, gu_s, d_q, d_s) from a cache; row_src int32 [M] token of each expert-sorted row
     (-1: a pad row, zero input, or unused); pos int32 [T, k] the row of each (token, slot); rows the segments.
-    Returns [T, H] in x's dtype (fp32 sums)."""
+    wgrad: how the weight gradients are computed, one of EXPERT_WGRAD: "fp8" (the blockwise recipe: E4M3 operands
+    quantized 1x128 along tokens) or "bf16" (high-precision operands, `grouped_wgrad_bf16`; dx and the gate
+    gradients are the same bits either way). Returns [T, H] in x's dtype (fp32 sums)."""
+    if wgrad not in EXPERT_WGRAD:
+        raise ValueError(f"wgrad must be one of {', '.join(EXPERT_WGRAD)}, got {wgrad!r}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if w.dim() != 3 or any(d % BLOCK for d in w.shape[1:]):
             raise ValueError(f"{name} must be [E, N, K] with N and K multiples of 128, got {tuple(w.shape)}")
@@ -890,7 +971,7 @@ def fp8_grouped_experts(
         t.requires_grad for t in (x, topk_weight, w_gate_up, w_down)
     )
     return _FP8GroupedExpertsFn.apply(x, topk_weight, w_gate_up, w_down, quantized_weights, route, pow2_scales,
-                                      need_grad)  # fmt: skip
+                                      need_grad, wgrad)  # fmt: skip
 
 
 def quantize_expert_weights(w: torch.Tensor, pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

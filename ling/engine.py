@@ -50,8 +50,7 @@ def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> Mode
         if key in moe:
             d[field] = moe[key]
     d["precision"] = cfg.precision.name
-    d["fp8_recipe"] = cfg.fp8.recipe
-    d["fp8_pow2_scales"] = bool(cfg.fp8.pow2_scales)
+    d.update(fp8_model_options(cfg.fp8))
     if d.get("vocab_size") is None:
         if vocab_size_from_data is None:
             raise ValueError("model.vocab_size is null and the data source reports no vocab size")
@@ -60,6 +59,13 @@ def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> Mode
         raise ValueError(f"model.vocab_size={d['vocab_size']} is smaller than the tokenizer's vocab "
                          f"({vocab_size_from_data}); set model.vocab_size=null to follow the tokenizer")
     return ModelConfig.from_dict(d)
+
+
+def fp8_model_options(fp8: DictConfig) -> dict[str, Any]:
+    """The `fp8` node's model options → ModelConfig fields (`fp8.expert_wgrad`, absent from run configs written
+    before it existed: the recipe's "fp8")."""
+    return {"fp8_recipe": fp8.recipe, "fp8_pow2_scales": bool(fp8.pow2_scales),
+            "fp8_expert_wgrad": str(fp8.get("expert_wgrad", "fp8"))}
 
 
 def expert_group_name(ep_size: int) -> str:

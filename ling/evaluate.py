@@ -166,7 +166,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     progress_bar, and optionally the groups `model`, `data`, `precision` (+ `fp8`) to override the run's.
     """
     from data import build_loader
-    from ling.engine import model_config_from
+    from ling.engine import fp8_model_options, model_config_from
     from ling.launch import init_distributed, world_size
     from ling.weights import config_changes, find_checkpoint, load_into, read_model_state
     from model.ling import LingForCausalLM
@@ -186,8 +186,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
                                                                 "micro_batch_size": cfg.micro_batch_size or 1}})
         model_config = read_hf_config(source)
         if precision:
-            model_config = model_config.replace(precision=precision, fp8_recipe=cfg.fp8.recipe,
-                                                fp8_pow2_scales=bool(cfg.fp8.pow2_scales))
+            model_config = model_config.replace(precision=precision, **fp8_model_options(cfg.fp8))
         state, step, tag, out_default = None, None, "hf", source.parent / f"eval-{source.name}-{cfg.split}.json"
     else:
         ref = find_checkpoint(source, cfg.get("tag"))
@@ -273,13 +272,13 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
                     device: torch.device, out_default: Path, source: Path, tag: Any, step: Any) -> dict[str, Any]:
     """eval.py mode=step_error (ling/step_error.py): the loaded fp32 model, its bf16 twin and its FP8 twin."""
     from fp8.linear import ABLATION_COMPONENTS, EMULATED
-    from ling.engine import apply_fp8_ablation
+    from ling.engine import apply_fp8_ablation, fp8_model_options
     from ling.step_error import format_step_errors, step_errors
     from model.ling import LingForCausalLM
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("mode=step_error runs on one process (launch it with python, not torchrun)")
-    fp8 = {"fp8_recipe": cfg.fp8.recipe, "fp8_pow2_scales": bool(cfg.fp8.pow2_scales)} if cfg.get("fp8") else {}
+    fp8 = fp8_model_options(cfg.fp8) if cfg.get("fp8") else {}
     fp8_config = model_config.replace(precision="fp8", **fp8)  # the run's FP8 options unless precision= given
     variants = [("fp32", model_config.replace(precision="bf16"), torch.float32, frozenset()),
                 ("bf16", model_config.replace(precision="bf16"), torch.bfloat16, frozenset()),

@@ -53,6 +53,9 @@ class ModelConfig:
     precision: str = "bf16"
     fp8_recipe: str = "blockwise"  # "blockwise" (1x128 / 128x128) or "tensorwise"
     fp8_pow2_scales: bool = False
+    # the FP8 routed experts' weight gradients (`fp8.expert_wgrad`): "fp8" (the blockwise recipe: E4M3 operands
+    # quantized 1x128 along tokens) or "bf16" (bf16 operands, fp32 accumulation; saves x instead of FP8 xᵀ)
+    fp8_expert_wgrad: str = "fp8"
     # attention with `doc_ids` (packed documents): "flex" (FlexAttention with a document-causal BlockMask, CUDA),
     # "dense" (SDPA with a dense [B, 1, T, T] bool mask: the CPU/reference path), "auto" (flex on CUDA, else dense)
     document_attention: str = "auto"
@@ -113,6 +116,8 @@ class ModelConfig:
                      f"must be a multiple of 128 for the blockwise FP8 experts, got {getattr(self, key)}")
         need(self.fp8_recipe in ("blockwise", "tensorwise"), "fp8_recipe",
              f"must be 'blockwise' or 'tensorwise', got {self.fp8_recipe!r}")
+        need(self.fp8_expert_wgrad in EXPERT_WGRAD, "fp8_expert_wgrad",
+             f"(config key fp8.expert_wgrad) must be one of {', '.join(EXPERT_WGRAD)}, got {self.fp8_expert_wgrad!r}")
         need(self.document_attention in DOCUMENT_ATTENTION, "document_attention",
              f"must be one of {', '.join(DOCUMENT_ATTENTION)}, got {self.document_attention!r}")
         need(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
@@ -173,6 +178,7 @@ class ModelConfig:
 
 
 DOCUMENT_ATTENTION = ("auto", "flex", "dense")
+EXPERT_WGRAD = ("fp8", "bf16")  # fp8.grouped.EXPERT_WGRAD
 RECOMPUTE = ("none", "full", "selective")
 COMPILE_OPS = ("auto", "on", "off")
 

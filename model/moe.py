@@ -159,7 +159,8 @@ class GroupedExperts(nn.Module):
     forward(x [T, H], topk_weight [T, k], plan) → Σ_j topk_weight[t, j] · expert_{e(t,j)}(x[t]) [T, H], the
     gate applied to the down projection's input (the same maths as weighting the output), summed in fp32.
     precision "fp8": the blockwise-FP8 grouped kernels (`fp8.grouped.fp8_grouped_experts`), expert weights
-    quantized 128x128 once per optimizer step (the FP8 weight caches). "bf16": on CUDA with bf16 one
+    quantized 128x128 once per optimizer step (the FP8 weight caches); `fp8_expert_wgrad` picks its weight-gradient
+    operands (E4M3, or bf16 with x saved instead of FP8 xᵀ). "bf16": on CUDA with bf16 one
     `torch._grouped_mm` per projection; elsewhere a loop over the segments.
     """
 
@@ -172,6 +173,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.fp8 = config.precision == "fp8"
         self.pow2_scales = config.fp8_pow2_scales
+        self.wgrad = config.fp8_expert_wgrad  # the FP8 path's weight-gradient operands: "fp8" | "bf16"
         self.collect_health = False  # fp8.monitor's hook: a sampled step fills `health` (fp8.health)
         self.health: dict[str, torch.Tensor] = {}
         if self.fp8:
@@ -194,7 +196,7 @@ class GroupedExperts(nn.Module):
 
             wq = (*self._gate_up_fp8.get(self.gate_up_proj), *self._down_fp8.get(self.down_proj))
             out = fp8_grouped_experts(x, topk_weight, self.gate_up_proj, self.down_proj, wq, plan.row_src,
-                                      plan.pos, plan.rows, self.pow2_scales)  # fmt: skip
+                                      plan.pos, plan.rows, self.pow2_scales, self.wgrad)  # fmt: skip
             if self.collect_health:
                 from fp8.health import grouped_experts_health
 
