@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels
 # (fill .whl first with `bash ../shared/tools/gpu_wheels.sh torchao==0.17.0`), run every `gpu` test, then
-# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe] [ep]
-# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE / T_EP time limits, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS
+# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe] [ep] [grad]
+# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE / T_EP / T_GRAD time limits, GRAD_ARGS, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS
 # e.g. --dispatch, EP_ARGS, EP_GPUS (default: all), TEST_FILES (default tests/), WITH_PEERS=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,7 @@ for s in $steps; do
     moe) timeout "${T_MOE:-300}" python3 bench/bench_moe.py --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe.log" | tail -60 ;;
     ep) timeout "${T_EP:-300}" python3 -m torch.distributed.run --nproc_per_node "${EP_GPUS:-$(nvidia-smi -L | wc -l)}" \
              bench/bench_moe.py --ep --out "$OUT" ${EP_ARGS:-} 2>&1 | tee "$OUT/bench_moe_ep.log" | tail -30 ;;
+    grad) timeout "${T_GRAD:-300}" python3 bench/bench_grad_path.py ${GRAD_ARGS:-} 2>&1 | tee "$OUT/bench_grad_path.log" | tail -15 ;;
     adam) timeout "${T_ADAM:-150}" python3 bench/bench_fp8_adam.py 2>&1 | tee "$OUT/bench_fp8_adam.log" | tail -30 ;;
   esac
 done
