@@ -21,6 +21,11 @@
 # ARCHIVE=FILE.tgz (default none) packs every run's logs, config, evaluations and the reports (no checkpoints: a
 # few MB) so that runs made in separate sessions or machines can be compared together with `eval.py compare`.
 #
+# STEP_ERROR=1 (default 0) also evaluates each seed's final BF16 and FP8 checkpoints with `eval.py mode=step_error`
+# (FP8's error on one step against fp32 on the same weights, and the STEP_ERROR_ABLATE entries' effects; about a
+# minute per checkpoint on an H200) into <run>/eval/step_error.json, and scripts/step_error_table.py writes the
+# table over them to $OUT/step_error.md.
+#
 # An ABLATIONS entry is a comma-separated list of fp8.ablate components (README "FP8 ablation") or, when it holds
 # '=', one Hydra override. Extra arguments are Hydra overrides given to every training run. Rerunning resumes or
 # skips finished runs (each run dir resumes from its latest checkpoint; a finished one trains no further step).
@@ -38,6 +43,8 @@ EVAL_BATCHES=${EVAL_BATCHES:-null}   # null = the whole held-out split once
 JOBS=${JOBS:-1}
 ARCHIVE=${ARCHIVE:-}
 DET_RERUN_SEEDS=${DET_RERUN_SEEDS-""}
+STEP_ERROR=${STEP_ERROR:-0}
+STEP_ERROR_ABLATE=${STEP_ERROR_ABLATE-'[fwd_x,fwd_w,"dgrad_dy,dgrad_w","wgrad_dy,wgrad_x",experts]'}
 mkdir -p "$OUT"
 
 train_and_eval() {  # NAME EXP SEED [overrides]: train, then evaluate the final checkpoint
@@ -94,8 +101,17 @@ for entry in $ABLATIONS; do
   $PY eval.py compare --pairs "${ablated[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report_no-${suffix}"
 done
 if [ -n "$ABLATIONS" ]; then $PY scripts/ablation_table.py "$OUT" | tee "$OUT/ablation.md"; fi
+if [ "$STEP_ERROR" = 1 ]; then
+  for seed in $SEEDS; do
+    for p in bf16 fp8; do
+      $PY eval.py "checkpoint=$OUT/s${seed}_$p" mode=step_error "batches=$EVAL_BATCHES" progress_bar=false \
+        "step_error_ablate=$STEP_ERROR_ABLATE" "output=$OUT/s${seed}_$p/eval/step_error.json"
+    done
+  done
+  $PY scripts/step_error_table.py "$OUT" | tee "$OUT/step_error.md"
+fi
 if [ -n "$ARCHIVE" ]; then
   tar czf "$ARCHIVE" --ignore-failed-read $(cd "$OUT" >/dev/null && ls -d */metrics.jsonl */resolved_config.yaml */eval \
-    */summary.json report* ablation.md *.log 2>/dev/null | sed "s#^#$OUT/#")
+    */summary.json report* ablation.md step_error.md *.log 2>/dev/null | sed "s#^#$OUT/#")
   echo "archive: $ARCHIVE"
 fi

@@ -174,3 +174,53 @@ def test_ablation_table_from_reports_with_known_offsets(tmp_path):
     assert rows["no-fwd_x"][2] == "+0.120 % ± 0.010" and rows["no-fwd_x"][4] == "-0.100 %"
     # 95 % t-interval of a mean of 3 values with std 0.01 %: ± t(0.975, 2) · 0.01 / sqrt(3) = ± 0.0248 %
     assert rows["fp8"][3] == "[+0.195, +0.245] %"
+
+
+def test_parity_script_step_error_evaluations(tmp_path):
+    """STEP_ERROR=1: each seed's final BF16 and FP8 checkpoint through eval.py mode=step_error, then the table
+    (dry run: PYTHON=echo)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "NOISE_SEEDS": "", "STEPS": "7",
+           "OUT": str(tmp_path), "STEP_ERROR": "1", "STEP_ERROR_ABLATE": "[fwd_x]"}
+    out = subprocess.run(["bash", str(root / "scripts" / "parity.sh")], env=env, cwd=root, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    evals = [line for line in out if "mode=step_error" in line]
+    assert evals == [f"eval.py checkpoint={tmp_path}/s{s}_{p} mode=step_error batches=null progress_bar=false "
+                     f"step_error_ablate=[fwd_x] output={tmp_path}/s{s}_{p}/eval/step_error.json"
+                     for s in (1, 2) for p in ("bf16", "fp8")]
+    assert out[-1] == f"scripts/step_error_table.py {tmp_path}"
+
+
+def _step_error_record(step: int, fp8_bias: float, d_err: float) -> dict:
+    one = lambda m: {"mean": m, "std": 0.0, "min": m, "max": m, "n": 15, "ci_low": m - 1e-5, "ci_high": m + 1e-5}  # noqa: E731
+    return {"step": step, "batches": 15,
+            "loss_rel": {"bf16": one(1e-5), "fp8": one(fp8_bias), "fp8_vs_bf16": one(fp8_bias - 1e-5)},
+            "grad_rel_err": {"bf16": {"all": 0.02}, "fp8": {"all": 0.05}},
+            "routing_changed": {"bf16": 0.006, "fp8": 0.022},
+            "ablation_effect": {"fp8-no-fwd_x": {"baseline": "fp8-emulated", "loss_rel": one(-1e-4),
+                                                 "grad_rel_err": one(d_err), "routing_changed": -0.005}}}
+
+
+def test_step_error_table_over_runs(tmp_path):
+    """Two runs with FP8 biases 0.01 % and 0.03 %: the mean 0.02 % with the t-interval over 2 runs
+    (± t(0.975, 1) · std / sqrt(2) = ± 12.706 · 0.01414 / 1.414 = ± 0.127 %), the ablation averaged likewise."""
+    import json
+
+    from scripts.step_error_table import table
+
+    for name, bias, d_err in (("s1_bf16", 1e-4, -6e-3), ("s1_fp8", 3e-4, -8e-3)):
+        (tmp_path / name / "eval").mkdir(parents=True)
+        (tmp_path / name / "eval" / "step_error.json").write_text(json.dumps(_step_error_record(1000, bias, d_err)))
+    out = table(tmp_path)
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| s1_")]
+    assert [r[0] for r in rows] == ["| s1_bf16", "| s1_fp8"]
+    assert rows[0][3] == "+0.0100 % [+0.0090 %, +0.0110 %]" and rows[0][6] == "2.000e-02 / 5.000e-02"
+    assert rows[1][7] == "0.60 % / 2.20 % |"
+    assert "loss FP8 vs fp32 +0.0200 % [-0.1071 %, +0.1471 %]" in out
+    assert "FP8's gradient error / bf16's 2.50× [2.50×, 2.50×]" in out
+    assert "| fwd_x | fp8-emulated | 2 | -7.00e-03 [" in out
+    with pytest.raises(SystemExit, match="no eval/step_error.json"):
+        table(tmp_path / "nothing")
