@@ -55,8 +55,8 @@ def run_train(run_dir: Path, nproc: int, overrides: list[str], expect_rc: int | 
     when a worker fails; `expect_rc` is the worker's exit code, which torchrun reports."""
     proc = subprocess.run(torchrun(run_dir, nproc, overrides, common), cwd=ROOT, env=train_env(), capture_output=True,
                           text=True, timeout=600)
-    if expect_rc == 0:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if expect_rc == 0:  # a failed worker's traceback sits before torchrun's summary: keep enough of stderr
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-20000:]
     elif expect_rc is not None:
         assert proc.returncode != 0 and re.search(rf"exitcode\s*:\s*{expect_rc}\b", proc.stderr), proc.stderr[-5000:]
     return metrics_of(run_dir), proc
