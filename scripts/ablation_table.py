@@ -1,6 +1,7 @@
 """The FP8 ablation table from scripts/parity.sh's reports: one row per variant (the full FP8 run, then each
 component kept in high precision), its relative loss difference against BF16 over the seeds with a 95 %
-t-interval of the mean, and the change against the full FP8 run.
+t-interval of the mean, and the change against its baseline: the full FP8 run, or for FP8Linear components the
+`emulated` run when it ran (scripts/ablate.sh runs it by default).
 
     python scripts/ablation_table.py runs/ablation          # reads report/ and report_no-*/summary.json
 """
@@ -14,13 +15,25 @@ from pathlib import Path
 
 from scipy import stats
 
+# FP8Linear components: a run that keeps one in high precision takes the ablation path's fp32 GEMMs, so its
+# baseline is the `emulated` run (same path, nothing in high precision) when there is one
+LINEAR_COMPONENTS = {"fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x", "wgrad_bf16"}
 
-def row(name: str, summary: dict, full_mean: float | None) -> str:
+
+def baseline_of(name: str, names: set[str]) -> str | None:
+    """The variant a variant's Δ is measured against: "no-emulated" for FP8Linear components (if it ran), else fp8."""
+    if name == "fp8":
+        return None
+    parts = set(name.removeprefix("no-").split("+"))
+    return "no-emulated" if parts & LINEAR_COMPONENTS and "no-emulated" in names else "fp8"
+
+
+def row(name: str, summary: dict, base: str | None, base_mean: float | None) -> str:
     m = summary["mean_rel"]
     n, mean, std = m["n"], m["mean"], m["std"]
     half = stats.t.ppf(0.975, n - 1) * std / math.sqrt(n) if n > 1 else math.nan
     ci = f"[{100 * (mean - half):+.3f}, {100 * (mean + half):+.3f}] %" if n > 1 else "n/a (1 seed)"
-    delta = f"{100 * (mean - full_mean):+.3f} %" if full_mean is not None and name != "fp8" else "—"
+    delta = f"{100 * (mean - base_mean):+.3f} % (vs {base})" if base is not None and base_mean is not None else "—"
     up = sum(1 for p in summary["pairs"] if p["slope"]["ci_low"] > 0)
     floor = summary.get("noise_floor")
     floor_s = f"{100 * floor:.3f} %" if floor is not None else "—"
@@ -35,16 +48,18 @@ def table(out: Path) -> str:
              if (p / "summary.json").exists()]
     if not found:
         raise SystemExit(f"no report*/summary.json under {out}: run scripts/parity.sh (or ablate.sh) first")
-    full = dict(found).get("fp8")
-    full_mean = full["mean_rel"]["mean"] if full else None
+    means = {name: summary["mean_rel"]["mean"] for name, summary in found}
     lines = [f"# FP8 ablation ({out})", "",
              "Relative loss difference (candidate − BF16) / BF16, mean over the last 20 % of steps, per seed; "
-             "mean ± std over seeds, 95 % t-interval of the mean; Δ vs fp8: how much keeping the component in "
-             "high precision moves the difference; upward: pairs whose slope CI lies above 0; noise floor: "
-             "mean |difference| of the non-deterministic BF16 reruns.", "",
-             "| variant | seeds | mean rel. diff | 95 % CI | Δ vs fp8 | upward | noise floor |",
+             "mean ± std over seeds, 95 % t-interval of the mean; Δ: how much keeping the component in high "
+             "precision moves the difference, against the full FP8 run or, for FP8Linear components, the emulated "
+             "run (same fp32 GEMM path, nothing in high precision) when it ran; upward: pairs whose slope CI lies "
+             "above 0; noise floor: mean |difference| of the non-deterministic BF16 reruns.", "",
+             "| variant | seeds | mean rel. diff | 95 % CI | Δ | upward | noise floor |",
              "|---|---|---|---|---|---|---|"]
-    lines += [row(name, s, full_mean) for name, s in found]
+    for name, summary in found:
+        base = baseline_of(name, set(means))
+        lines.append(row(name, summary, base, means.get(base)))
     return "\n".join(lines) + "\n"
 
 

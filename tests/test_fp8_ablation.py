@@ -154,26 +154,38 @@ def test_parity_script_concurrent_jobs_rerun_check_and_archive(tmp_path):
 
 
 def test_ablation_table_from_reports_with_known_offsets(tmp_path):
-    """Synthetic runs whose losses are the baseline's times 1.002 (fp8) and 1.001 (fwd_x kept exact)."""
+    """Synthetic runs whose losses are the baseline's times 1.002 (fp8), 1.001 (fwd_x kept exact) and 1.0015 (adam_v
+    kept in fp32); without an emulated run every Δ is against fp8; with one (1.0018), the FP8Linear component's Δ
+    is against it and the optimizer's stays against fp8."""
     from ling.compare import compare
     from scripts.ablation_table import table
     from tests.test_compare import _baseline, _config, write_run
 
-    pairs = {"fp8": [], "no-fwd_x": []}
+    factors = {"fp8": 1.002, "no-fwd_x": 1.001, "no-adam_v": 1.0015, "no-emulated": 1.0018}
+    pairs = {name: [] for name in factors}
     for seed in (1, 2, 3):
         base = _baseline(seed)
         bf16 = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
-        for name, factor in (("fp8", 1.002 + 1e-4 * seed), ("no-fwd_x", 1.001 + 1e-4 * seed)):
-            fp8 = write_run(tmp_path, f"s{seed}_{name}", base * factor,
+        for name, factor in factors.items():
+            fp8 = write_run(tmp_path, f"s{seed}_{name}", base * (factor + 1e-4 * seed),
                             _config(**{"train.seed": seed, "precision.name": "fp8", "fp8.ablate": [name]}))
             pairs[name].append((fp8, bf16))
-    compare(pairs["fp8"], out_dir=tmp_path / "report")
-    compare(pairs["no-fwd_x"], out_dir=tmp_path / "report_no-fwd_x")
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in table(tmp_path).splitlines() if line[:2] == "| "}
-    assert rows["fp8"][1:3] == ["3", "+0.220 % ± 0.010"]
-    assert rows["no-fwd_x"][2] == "+0.120 % ± 0.010" and rows["no-fwd_x"][4] == "-0.100 %"
+
+    def rows() -> dict[str, list[str]]:
+        lines = [line.split(" | ") for line in table(tmp_path).splitlines() if line[:2] == "| "]
+        return {cells[0][2:]: cells for cells in lines}
+
+    for name in ("fp8", "no-fwd_x", "no-adam_v"):
+        compare(pairs[name], out_dir=tmp_path / ("report" if name == "fp8" else f"report_{name}"))
+    got = rows()
+    assert got["fp8"][1:3] == ["3", "+0.220 % ± 0.010"] and got["fp8"][4] == "—"
+    assert got["no-fwd_x"][2] == "+0.120 % ± 0.010" and got["no-fwd_x"][4] == "-0.100 % (vs fp8)"
     # 95 % t-interval of a mean of 3 values with std 0.01 %: ± t(0.975, 2) · 0.01 / sqrt(3) = ± 0.0248 %
-    assert rows["fp8"][3] == "[+0.195, +0.245] %"
+    assert got["fp8"][3] == "[+0.195, +0.245] %"
+    compare(pairs["no-emulated"], out_dir=tmp_path / "report_no-emulated")
+    got = rows()
+    assert got["no-fwd_x"][4] == "-0.080 % (vs no-emulated)" and got["no-emulated"][4] == "-0.020 % (vs fp8)"
+    assert got["no-adam_v"][4] == "-0.050 % (vs fp8)"
 
 
 def test_parity_script_step_error_evaluations(tmp_path):
