@@ -3,6 +3,7 @@
     PYTHONUNBUFFERED=1 python3 bench/bench_model.py [--models ling_mini_2_0_e64,ling_mini_2_0_l6]
         [--seq-len 4096] [--micro 1] [--steps 6] [--warmup 2] [--precision bf16|fp8] [--doc-len 1024]
         [--variants fast,old_loss,dense_mask,selective,full,today,causal,eager] [--no-profile] [--no-parts]
+        [--loss-chunks 1024,2048,4096]
     python3 bench/bench_model.py --device cpu --models tiny --seq-len 128   # smoke test
 
 Every variant is a fresh model (same seed) on random tokens packed into documents of geometric length
@@ -171,6 +172,9 @@ def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> 
     if dev.type == "cuda":
         part(f"{head}: chunked, compiled epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=True),
              (h, w))
+    for chunk in args.loss_chunks:  # each chunk size's logits GEMMs and its fp32 dW read-modify-write per chunk
+        part(f"{head}: chunks of {chunk} tokens", lambda c=chunk: linear_cross_entropy(h, w, labels, chunk_size=c),
+             (h, w))
 
     B, T, Hq, Hkv, D = args.micro, args.seq_len, config.num_heads, config.num_kv_heads, config.head_dim
     q, k, v = (rand(B, heads, T, D).requires_grad_(True) for heads in (Hq, Hkv, Hkv))
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--doc-len", type=int, default=1024, help="mean document length in tokens")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--loss-chunks", default="", type=lambda v: [int(c) for c in v.split(",") if c],
+                    help="also time the fused LM-head loss at these chunk sizes (tokens), e.g. 1024,2048,4096")
     ap.add_argument("--no-parts", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args(argv)

@@ -12,9 +12,10 @@ def test_bench_model_runs_on_cpu_and_prints_the_model_table_last(capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.main(["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1",
-                "--variants", "fast,old_loss,selective"])
+                "--variants", "fast,old_loss,selective", "--loss-chunks", "16,64"])
     out = capsys.readouterr().out
     assert "LM head + loss" in out and "attention core" in out
+    assert "chunks of 16 tokens" in out and "chunks of 64 tokens" in out
     profile = out[out.index("### Where"):out.index("| **total**")]
     for part in ("attention (QK-norm", "dense linears", "LM head + loss", "MoE"):
         assert part in profile, part
