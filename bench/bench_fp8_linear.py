@@ -412,27 +412,18 @@ def host_profile(m: int, n: int, k: int, out_dir: str) -> str:
     import pstats
     import time
 
-    from fp8._triton_utils import LAUNCH_OPTIONS
-
     step = fp8_layer_step(m, n, k)
 
-    def timed(cached: bool) -> tuple[float, float]:
-        """(enqueue, wall) seconds per step with LAUNCH_OPTIONS["cached_specialization"] = cached."""
-        LAUNCH_OPTIONS["cached_specialization"] = cached
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-        reps = 50
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            step()
-        t_enqueue = (time.perf_counter() - t0) / reps
-        torch.cuda.synchronize()
-        return t_enqueue, (time.perf_counter() - t0) / reps
-
-    default = LAUNCH_OPTIONS["cached_specialization"]
-    (e_off, w_off), (e_on, w_on) = timed(False), timed(True)
-    LAUNCH_OPTIONS["cached_specialization"] = default
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    reps = 50
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    t_enqueue = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    t_total = (time.perf_counter() - t0) / reps
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(20):
@@ -442,10 +433,8 @@ def host_profile(m: int, n: int, k: int, out_dir: str) -> str:
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
     txt = (
-        f"FP8Linear [{m}, {k}] -> {n}, 50 steps (cProfile below: the default launch path)\n"
-        f"  Triton's launch path:      enqueue {e_off * 1e3:.3f} ms/step, wall {w_off * 1e3:.3f} ms/step\n"
-        f"  cached specialisation:     enqueue {e_on * 1e3:.3f} ms/step, wall {w_on * 1e3:.3f} ms/step\n"
-        + buf.getvalue()
+        f"FP8Linear [{m}, {k}] -> {n}: host enqueue {t_enqueue * 1e3:.3f} ms/step, "
+        f"wall {t_total * 1e3:.3f} ms/step (50 steps)\n" + buf.getvalue()
     )
     with open(os.path.join(out_dir, f"host_profile_{n}x{k}.txt"), "w") as f:
         f.write(txt)

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cached_launch, cdiv, use_triton
+from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
 from fp8.quant import dequantize_1x128, dequantize_128x128
 
 if HAS_TRITON:
@@ -125,7 +125,6 @@ if HAS_TRITON:
         else:
             return acc + (part * sa[:, None]) * sb[None, :]
 
-    @cached_launch
     @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
@@ -168,7 +167,6 @@ if HAS_TRITON:
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, c, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
-    @cached_launch
     @triton.jit
     def _fp8_gemm_tma_kernel(
         a_desc, b_desc, c_desc, as_ptr, bs_ptr,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cached_launch, cdiv, use_triton
+from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
 from fp8.quant import (
     QUANT_OPTIONS,
     _launch_rows,
@@ -273,7 +273,6 @@ if HAS_TRITON:
             hi = tl.where(right, hi, mid)
         return lo
 
-    @cached_launch
     @triton.jit
     def _grouped_gemm_kernel(
         a_ptr, a_desc, b_ptr, b_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
@@ -325,7 +324,6 @@ if HAS_TRITON:
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < seg_end)[:, None] & (offs_n < N)[None, :])
 
-    @cached_launch
     @triton.jit
     def _grouped_wgrad_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, blk_ptr,
@@ -376,7 +374,6 @@ if HAS_TRITON:
             tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck, acc.to(c_ptr.dtype.element_ty),
                      mask=c_mask)  # fmt: skip
 
-    @cached_launch
     @triton.jit
     def _quant_tokens_grouped_kernel(
         x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
@@ -438,7 +435,6 @@ if HAS_TRITON:
         tl.store(q_ptrs, tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv), mask=mask)
         tl.store(s_ptrs, scale, mask=m_ok)
 
-    @cached_launch
     @triton.jit
     def _swiglu_quant_kernel(
         h_ptr, gate_ptr, aq_ptr, as_ptr, hq_ptr, hs_ptr, total_ptr, M, INTER,
@@ -470,7 +466,6 @@ if HAS_TRITON:
             up_scales = hsp + (INTER // 128 + pid_f) * stride_hsk
             _quant_block(hu, hqp + (INTER + cols)[None, :] * stride_hqk, up_scales, mask, m_ok, POW2)
 
-    @cached_launch
     @triton.jit
     def _swiglu_bwd_kernel(
         hq_ptr, hs_ptr, da_ptr, gate_ptr, dh_ptr, dhq_ptr, dhs_ptr, dgate_ptr, total_ptr, M, INTER,
@@ -514,7 +509,6 @@ if HAS_TRITON:
             _quant_block(du.to(tl.float32), dqp + (INTER + cols)[None, :] * stride_dqk, up_scales, mask, m_ok, POW2)
         tl.store(dgate_ptr + rows, d_gate, mask=m_ok)
 
-    @cached_launch
     @triton.jit
     def _gather_rows_kernel(
         x_ptr, idx_ptr, out_ptr, R, H, stride_xm, stride_xh, stride_om, stride_oh,
@@ -529,7 +523,6 @@ if HAS_TRITON:
                     other=0.0)  # fmt: skip
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oh, v, mask=r_ok[:, None] & h_ok)
 
-    @cached_launch
     @triton.jit
     def _sum_rows_kernel(
         y_ptr, pos_ptr, out_ptr, T, H, stride_ym, stride_yh, stride_ot, stride_oh,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp8._triton_utils import AMAX_FLOOR, BLOCK, E4M3, E4M3_MAX, HAS_TRITON, cached_launch, cdiv, col_major, use_triton
+from fp8._triton_utils import AMAX_FLOOR, BLOCK, E4M3, E4M3_MAX, HAS_TRITON, cdiv, col_major, use_triton
 
 if HAS_TRITON:
     import triton
@@ -154,7 +154,6 @@ if HAS_TRITON:
             scale = bits.to(tl.float32, bitcast=True)
         return scale
 
-    @cached_launch
     @triton.jit
     def _quant_rows_kernel(
         x_ptr, q_ptr, s_ptr, idx_ptr, total_ptr, M, K,
@@ -187,7 +186,6 @@ if HAS_TRITON:
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=m_ok[:, None] & k_ok)
         tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sk, scale, mask=m_ok)
 
-    @cached_launch
     @triton.jit
     def _quant_tokens_kernel(
         x_ptr, xs_ptr, qt_ptr, st_ptr, M, K,
@@ -219,7 +217,6 @@ if HAS_TRITON:
         tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_m[:, None] * stride_qtm, q, mask=mask)
         tl.store(st_ptr + offs_k * stride_stk + pid_m * stride_stm, scale, mask=k_ok)
 
-    @cached_launch
     @triton.jit
     def _quant_128x128_kernel(
         w_ptr, q_ptr, s_ptr, N, K,
@@ -240,7 +237,6 @@ if HAS_TRITON:
         tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + pid_n * stride_sn + pid_k * stride_sk, scale)
 
-    @cached_launch
     @triton.jit
     def _transpose_fp8_kernel(
         q_ptr, t_ptr, N, K, stride_qg, stride_qn, stride_qk, stride_tg, stride_tk, stride_tn,
