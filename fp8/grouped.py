@@ -32,14 +32,13 @@ own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-d
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
+from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, Fusable, cdiv, use_triton
 from fp8.quant import (
     QUANT_OPTIONS,
     _launch_rows,
@@ -213,13 +212,16 @@ def _silu(g: torch.Tensor) -> torch.Tensor:
     return g / (1.0 + torch.exp(-g))
 
 
-def swiglu_output(h_q: torch.Tensor, h_s: torch.Tensor, row_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _swiglu_output(h_q: torch.Tensor, h_s: torch.Tensor, row_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """a = silu(h_gate)·h_up·row_gate [M, I] in fp32 from the FP8 SwiGLU input h_q [M, 2I] (1x128 scales h_s),
-    rounded to `dtype`: the down projection's input before its quantization. Plain torch ops (compiled on CUDA by
-    `recompute_swiglu_output`)."""
+    rounded to `dtype`: the down projection's input before its quantization. Plain torch ops; `compiled=True`
+    fuses them into one kernel (`dynamic=None`: the expert-parallel receiver's row count changes every call)."""
     h = dequantize_1x128(h_q, h_s)
     inter = h.shape[1] // 2
     return (_silu(h[:, :inter]) * h[:, inter:] * row_gate.float()[:, None]).to(dtype)
+
+
+swiglu_output = Fusable(_swiglu_output, dynamic=None)
 
 
 def grouped_wgrad_bf16_ref(a: torch.Tensor, b: torch.Tensor, rows: GroupedRows, out_dtype: torch.dtype) -> torch.Tensor:
@@ -766,21 +768,6 @@ def swiglu_quantize_tokens(
     return _launch_tokens_grouped(h_q, h_s, None, row_gate, rows, h_q.shape[1] // 2, 2, pow2_scales)
 
 
-@functools.cache
-def _compiled(fn):
-    """`fn` through torch.compile (Inductor fuses its elementwise chain into one kernel), built on first use; casts
-    round as in eager (`emulate_precision_casts`). `dynamic=None`: one static graph while the row count stays (one
-    per step shape), one dynamic graph once it changes (the expert-parallel receiver's rows change every call)."""
-    return torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
-
-
-def recompute_swiglu_output(h_q: torch.Tensor, h_s: torch.Tensor, row_gate: torch.Tensor, dtype: torch.dtype, *,
-                            backend: str | None = None) -> torch.Tensor:  # fmt: skip
-    """`swiglu_output`: compiled on CUDA (one fused kernel), eager on the reference path."""
-    fn = _compiled(swiglu_output) if use_triton(h_q, backend) and h_q.is_cuda else swiglu_output
-    return fn(h_q, h_s, row_gate, dtype)
-
-
 def grouped_wgrad_bf16(a: torch.Tensor, b: torch.Tensor, rows: GroupedRows, out_dtype: torch.dtype, *,
                        backend: str | None = None) -> torch.Tensor:  # fmt: skip
     """High-precision wgrad grouped GEMM: out [G, N, K], out[g] = a[seg g]ᵀ · b[seg g] (the sum over expert g's
@@ -911,7 +898,8 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         dw_gu = dw_d = None
         if ctx.need_wgrad and ctx.wgrad == "bf16":
             (x,) = wgrad_saved
-            a = recompute_swiglu_output(h_q, h_s, row_gate, x_dtype)  # pad rows: gate 0 → a = 0
+            # the gated SwiGLU output, one fused kernel on CUDA; pad rows: gate 0 → a = 0
+            a = swiglu_output(h_q, h_s, row_gate, x_dtype, compiled=h_q.is_cuda and use_triton(h_q, None))
             dw_d = grouped_wgrad_bf16(gather_rows(dout, row_src), a, rows, d_dtype)  # pad rows read dy = 0
             del a
             dw_gu = grouped_wgrad_bf16(dh, gather_rows(x, row_src), rows, gu_dtype)

@@ -3,8 +3,6 @@ documents), SwiGLU MLP with optional recomputation, and the linear switch."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -13,6 +11,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from fp8._triton_utils import Fusable
 from model.config import ModelConfig
 
 AttentionMask = torch.Tensor | BlockMask | None  # None: causal; bool [B, 1, T, T]: dense; BlockMask: flex
@@ -27,27 +26,6 @@ def scope(name: str):
 def use_compiled(compile_ops: str, x: torch.Tensor) -> bool:
     """`model.compile_ops` for a call on x: "on" compiles wherever, "auto" on CUDA tensors, "off" never."""
     return compile_ops == "on" or (compile_ops == "auto" and x.is_cuda)
-
-
-class Fusable:
-    """A pure function of tensors and Python constants and its `torch.compile` twin (Inductor fuses its
-    elementwise chains into a few kernels), built on first use and shared by every caller: one compiled graph
-    per input shape serves every layer. `dynamic=False`; `emulate_precision_casts`: a cast to bf16 rounds as in
-    eager (Inductor would otherwise keep such an intermediate in fp32); not `fullgraph=True`, which turns hitting
-    dynamo's recompile limit (eval at many shapes) into an error rather than an eager fallback — the tests check
-    that these functions compile without a graph break. `f(*args, compiled=False)` runs the eager function."""
-
-    def __init__(self, fn: Callable) -> None:
-        functools.update_wrapper(self, fn)
-        self.eager = fn
-        self._compiled: Callable | None = None
-
-    def __call__(self, *args, compiled: bool = False):
-        if not compiled:
-            return self.eager(*args)
-        if self._compiled is None:
-            self._compiled = torch.compile(self.eager, dynamic=False, options={"emulate_precision_casts": True})
-        return self._compiled(*args)
 
 
 def make_linear(in_features: int, out_features: int, config: ModelConfig) -> nn.Linear:
