@@ -29,15 +29,17 @@ def fwd_bwd(moe: MoE, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
     return [out.detach(), x.grad] + [p.grad.clone() for p in moe.parameters()]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_moe_forward_and_backward_never_wait_for_the_host(precision):
+@pytest.mark.parametrize("precision,expert_wgrad", [("bf16", "fp8"), ("fp8", "fp8"), ("fp8", "bf16")])
+def test_moe_forward_and_backward_never_wait_for_the_host(precision, expert_wgrad):
+    """fp8.expert_wgrad=bf16 too: torch._grouped_mm's 2-D × 2-D fast path reads the offsets on the device, and
+    the compiled a-recompute guards on shapes only."""
     torch.manual_seed(0)
-    moe = MoE(moe_config(precision=precision)).cuda().bfloat16()
+    moe = MoE(moe_config(precision=precision, fp8_expert_wgrad=expert_wgrad)).cuda().bfloat16()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(2, 1024, 2048, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x)
-    fwd_bwd(moe, x, g)  # compile the kernels, fill the weight caches
+    fwd_bwd(moe, x, g)  # compile the kernels (and the a-recompute), fill the weight caches
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
