@@ -225,7 +225,7 @@ class ProfileSummary:
         if self.host_ms is not None and self.wall_ms:
             lines += [f"Host: the ops' CPU self time is {self.host_ms:.1f} ms of the {self.wall_ms:.1f} ms wall; the "
                       "rest is Python and framework time between ops, waits, and the profiler's overhead", ""]
-        elif self.wall_ms:
+        if not self.cuda and self.wall_ms:
             lines += [f"wall {self.wall_ms:.1f} ms per step (no GPU: CPU self time of the ops above)", ""]
         rows = [[_short(k["kernel"], 80), f"{k['ms']:.2f}", f"{k['share']:.1%}", _main_parts(k["ms"], k["parts"])]
                 for k in self.top_kernels(top_overall)]
