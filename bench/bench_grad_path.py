@@ -2,7 +2,8 @@
 model's compute, beside the floor of an fp32 accumulation done by hand.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_grad_path.py [--model ling_mini_2_0_e64] [--grad-accum 8] [--steps 3]
-        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8]
+        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8,
+         zero1]
     python3 bench/bench_grad_path.py --model tiny --device cpu --steps 1    # smoke test
 
 Every variant gets a fresh copy of the preset's parameters (LingForCausalLM, bf16 on CUDA and also on CPU, as
@@ -18,6 +19,7 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
   zero2_bf16_accum   grad_accum_dtype = the model's dtype (DeepSpeed's own default; rounds the sum to bf16)
   zero2_no_contiguous, zero2_overlap, zero2_bucket_2e8
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
+  zero1              ZeRO stage 1 with grad_accum_dtype fp32 (DeepSpeed runs it through its BF16_Optimizer)
 Columns: ms per micro-batch backward (median), the same minus autograd's (the gradient path's own cost), ms per
 optimizer step (the boundary micro-batch's `engine.step()`, median of the steps after the first), peak memory.
 Figures go to the README, not here.
@@ -51,6 +53,7 @@ VARIANTS: dict[str, dict | None] = {
     "zero2_no_contiguous": {"stage": 2, "accum": "fp32", "extra": {"contiguous_gradients": False}},
     "zero2_overlap": {"stage": 2, "accum": "fp32", "extra": {"overlap_comm": True}},
     "zero2_bucket_2e8": {"stage": 2, "accum": "fp32", "extra": {"reduce_bucket_size": int(2e8)}},
+    "zero1": {"stage": 1, "accum": "fp32", "extra": {}},
 }
 
 

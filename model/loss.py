@@ -11,13 +11,13 @@ from torch import nn
 
 IGNORE_INDEX = -100
 
-# A chunk's logits in the compute dtype take at most this many bytes. With bf16 at vocab 157184 that is 1024
-# tokens: 307 MiB of bf16 logits; a chunk's peak is about 8 bytes per logit (the bf16 logits, their fp32 softmax
-# computed in place, the bf16 gradient) = 1.2 GiB, against 2.6 GB per head for each of the fp32
-# logits, log-probabilities and their gradient over 4096 tokens on the materialised path. A larger chunk means
-# fewer read-modify-writes of the fp32 dW [V, H] (one per chunk) and more memory; `bench/bench_model.py
-# --loss-chunks` times the sizes side by side (README, "Model forward + backward").
-LOGITS_CHUNK_BYTES = 512 * 2**20
+# A chunk's logits in the compute dtype take at most this many bytes. With bf16 at vocab 157184 that is 2048
+# tokens: 614 MiB of bf16 logits; a chunk's peak is about 8 bytes per logit (the bf16 logits, their fp32 softmax
+# computed in place, the bf16 gradient) = 2.4 GiB, against 2.6 GB per head for each of the fp32 logits,
+# log-probabilities and their gradient over 4096 tokens on the materialised path. A larger chunk means fewer
+# read-modify-writes of the fp32 dW [V, H] (one per chunk) and more memory; `bench/bench_model.py --loss-chunks`
+# times the sizes side by side (README, "Model forward + backward": 2048 tokens is where the gain flattens).
+LOGITS_CHUNK_BYTES = 2**30
 MAX_CHUNK_TOKENS = 32768
 
 
