@@ -2,8 +2,7 @@
 model's compute, beside the floor of an fp32 accumulation done by hand.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_grad_path.py [--model ling_mini_2_0_e64] [--grad-accum 8] [--steps 3]
-        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8,
-         zero1]
+        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8]
     python3 bench/bench_grad_path.py --model tiny --device cpu --steps 1    # smoke test
 
 Every variant gets a fresh copy of the preset's parameters (LingForCausalLM, bf16 on CUDA and also on CPU, as
@@ -19,7 +18,7 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
   zero2_bf16_accum   grad_accum_dtype = the model's dtype (DeepSpeed's own default; rounds the sum to bf16)
   zero2_no_contiguous, zero2_overlap, zero2_bucket_2e8
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
-  zero1              ZeRO stage 1 with grad_accum_dtype fp32 (DeepSpeed runs it through its BF16_Optimizer)
+Each variant runs in a fresh process (`--json` prints its row), so one variant's memory cannot leak into the next.
 Columns: ms per micro-batch backward (median), the same minus autograd's (the gradient path's own cost), ms per
 optimizer step (the boundary micro-batch's `engine.step()`, median of the steps after the first), peak memory.
 Figures go to the README, not here.
@@ -30,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -53,7 +54,6 @@ VARIANTS: dict[str, dict | None] = {
     "zero2_no_contiguous": {"stage": 2, "accum": "fp32", "extra": {"contiguous_gradients": False}},
     "zero2_overlap": {"stage": 2, "accum": "fp32", "extra": {"overlap_comm": True}},
     "zero2_bucket_2e8": {"stage": 2, "accum": "fp32", "extra": {"reduce_bucket_size": int(2e8)}},
-    "zero1": {"stage": 1, "accum": "fp32", "extra": {}},
 }
 
 
@@ -153,6 +153,17 @@ def run_variant(name: str, config: ModelConfig, args, device: torch.device) -> d
     return row
 
 
+def run_in_subprocess(name: str, args) -> dict:
+    """One variant in a fresh Python process (its own CUDA context and process group) → its row."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--json", "--variants", name, "--model", args.model,
+           "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--device", args.device]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise SystemExit(f"variant {name} failed (exit {done.returncode}); its output is above")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="ling_mini_2_0_e64")
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps after one warm-up step")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", action="store_true", help="run the one variant here and print its row as JSON")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -167,10 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
-    config = ModelConfig.preset(args.model, **({"vocab_size": 8192} if args.model == "tiny" else {}))
-    if any(VARIANTS[v] is not None for v in names):
-        _init_single_process(device)
-    rows = [run_variant(v, config, args, device) for v in names]
+    if args.json:  # one variant in this process, its row as the last line
+        if len(names) != 1:
+            raise SystemExit("--json takes exactly one variant")
+        config = ModelConfig.preset(args.model, **({"vocab_size": 8192} if args.model == "tiny" else {}))
+        if VARIANTS[names[0]] is not None:
+            _init_single_process(device)
+        print(json.dumps(run_variant(names[0], config, args, device)))
+        return
+    rows = [run_in_subprocess(v, args) for v in names]
     floor = next((r["backward_ms"] for r in rows if r["variant"] == "autograd"), None)
     print(f"{args.model}: {rows[0]['params'] / 1e6:,.1f}M parameters, grad_accum {args.grad_accum}, {device}, "
           f"medians over {args.steps} optimizer steps after one warm-up")
