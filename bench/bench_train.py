@@ -102,13 +102,15 @@ def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
 
 
 def _die_with_parent() -> None:
-    """In the child: SIGTERM when the bench process dies (e.g. killed by `timeout`), so that no orphaned
-    train.py keeps the GPU's memory for the next row (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere)."""
+    """In the child: SIGKILL when the bench process dies (e.g. killed by `timeout`), so that no orphaned
+    train.py keeps the GPU's memory for the next row (Linux prctl PR_SET_PDEATHSIG; a no-op elsewhere). Not
+    SIGTERM: train.py answers that by finishing its step and writing a checkpoint, which on e64 held 134 GiB of
+    the GPU while the next bench's first row started (and ran out of memory)."""
     try:
         import ctypes
         import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +155,43 @@ def test_both_profiles_of_one_variant_take_its_last_two_steps(monkeypatch):
     with pytest.raises(SystemExit, match="need --steps >= 6"):
         bench.main(["--variants", "fp8", "--profile", "fp8", "--profile-python", "fp8", "--steps", "5",
                     "--warmup", "3"])
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="PR_SET_PDEATHSIG is Linux only")
+def test_a_row_process_that_ignores_sigterm_still_dies_with_the_bench(tmp_path):
+    """train.py answers SIGTERM with a checkpoint (minutes of GPU memory held on e64): a row's process must be
+    killed outright when the bench dies, even if it ignores SIGTERM."""
+    pid_file = tmp_path / "child.pid"
+    parent = f"""
+import subprocess, sys, time
+sys.path.insert(0, {str(ROOT / "bench")!r})
+import importlib.util
+spec = importlib.util.spec_from_file_location("bench_train", {str(ROOT / "bench" / "bench_train.py")!r})
+bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
+child = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+        "open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+subprocess.Popen([sys.executable, "-c", child], preexec_fn=bench._die_with_parent)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT)
+    for _ in range(200):  # the child writes its pid once it ignores SIGTERM
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            return  # gone
+        # a zombie (reaped by init shortly) counts as gone
+        try:
+            if Path(f"/proc/{child_pid}/stat").read_text().split()[2] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    os.kill(child_pid, signal.SIGKILL)
+    pytest.fail("the row process outlived the bench")
