@@ -177,7 +177,11 @@ class MetricsLogger:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None)
         wb = log_cfg.wandb
         if wb.mode != "disabled":
-            import wandb
+            try:
+                import wandb
+            except ImportError as e:
+                raise RuntimeError(f"logging.wandb.mode={wb.mode} needs the wandb package, which is not installed "
+                                   "here: pip install wandb, or set logging.wandb.mode=disabled") from e
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb_run = wandb.init(

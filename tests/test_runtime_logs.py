@@ -109,3 +109,19 @@ def test_sigterm_and_sigint_are_recorded_a_quick_repeat_is_ignored_a_late_one_ab
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)  # the handler runs between bytecodes
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_wandb_logging_without_the_package_names_the_config_key(tmp_path, monkeypatch):
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from ling.logger import MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    cfg = OmegaConf.create({"run_name": "r", "logging": {"jsonl": False, "progress_bar": False,
+                                                          "wandb": {"mode": "offline", "project": "p"}}})
+    with pytest.raises(RuntimeError, match=r"logging\.wandb\.mode=offline needs the wandb package"):
+        MetricsLogger(cfg, tmp_path, total_steps=1, start_step=0, enabled=True)
+    cfg.logging.wandb.mode = "disabled"
+    MetricsLogger(cfg, tmp_path, total_steps=1, start_step=0, enabled=True).close()
