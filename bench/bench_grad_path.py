@@ -2,7 +2,8 @@
 model's compute, beside the floor of an fp32 accumulation done by hand.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_grad_path.py [--model ling_mini_2_0_e64] [--grad-accum 8] [--steps 3]
-        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8]
+        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8,
+         zero2_fp32_comm,zero1]
     python3 bench/bench_grad_path.py --model tiny --device cpu --steps 1    # smoke test
 
 Every variant gets a fresh copy of the preset's parameters (LingForCausalLM, bf16 on CUDA and also on CPU, as
@@ -18,6 +19,10 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
   zero2_bf16_accum   grad_accum_dtype = the model's dtype (DeepSpeed's own default; rounds the sum to bf16)
   zero2_no_contiguous, zero2_overlap, zero2_bucket_2e8
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
+  zero2_fp32_comm    zero2 with communication_data_type=fp32 (exact data-parallel means; tests/test_grad_accum.py)
+  zero1              `deepspeed=zero1` (fp32 accumulation: DeepSpeed's BF16_Optimizer, fp32 sums in its hooks and
+                     one fp32 all-reduce at the boundary, ling/engine.py)
+The DeepSpeed config comes from the trainer's own `ling.engine.deepspeed_config`.
 Each variant runs in a fresh process (`--json` prints its row), so one variant's memory cannot leak into the next.
 Columns: ms per micro-batch backward (median), the same minus autograd's (the gradient path's own cost), ms per
 optimizer step (the boundary micro-batch's `engine.step()`, median of the steps after the first), peak memory.
@@ -45,15 +50,18 @@ from ling.profiling import markdown  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.ling import LingForCausalLM  # noqa: E402
 
-# variant → DeepSpeed settings (None: no DeepSpeed): zero stage, grad_accum_dtype, zero_optimization extras
+# variant → the `deepspeed` config node (None: no DeepSpeed), turned into DeepSpeed's config by the trainer's own
+# ling.engine.deepspeed_config
 VARIANTS: dict[str, dict | None] = {
     "autograd": None,
     "fp32_by_hand": None,
-    "zero2": {"stage": 2, "accum": "fp32", "extra": {}},
-    "zero2_bf16_accum": {"stage": 2, "accum": None, "extra": {}},
-    "zero2_no_contiguous": {"stage": 2, "accum": "fp32", "extra": {"contiguous_gradients": False}},
-    "zero2_overlap": {"stage": 2, "accum": "fp32", "extra": {"overlap_comm": True}},
-    "zero2_bucket_2e8": {"stage": 2, "accum": "fp32", "extra": {"reduce_bucket_size": int(2e8)}},
+    "zero2": {"zero_stage": 2, "grad_accum_dtype": "fp32"},
+    "zero2_bf16_accum": {"zero_stage": 2, "grad_accum_dtype": None},
+    "zero2_no_contiguous": {"zero_stage": 2, "grad_accum_dtype": "fp32", "zero_extra": {"contiguous_gradients": False}},
+    "zero2_overlap": {"zero_stage": 2, "grad_accum_dtype": "fp32", "zero_extra": {"overlap_comm": True}},
+    "zero2_bucket_2e8": {"zero_stage": 2, "grad_accum_dtype": "fp32", "zero_extra": {"reduce_bucket_size": int(2e8)}},
+    "zero2_fp32_comm": {"zero_stage": 2, "grad_accum_dtype": "fp32", "extra": {"communication_data_type": "fp32"}},
+    "zero1": {"zero_stage": 1, "grad_accum_dtype": "fp32"},
 }
 
 
@@ -102,13 +110,13 @@ def run_variant(name: str, config: ModelConfig, args, device: torch.device) -> d
     main_grads: dict[torch.nn.Parameter, torch.Tensor] = {}
     if ds is not None:
         import deepspeed
+        from omegaconf import OmegaConf
 
-        zero = {"stage": ds["stage"], **ds["extra"]}
-        conf = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.grad_accum,
-                "gradient_clipping": 1.0, "zero_optimization": zero, "bf16": {"enabled": True},
-                "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-        if ds["accum"] is not None:
-            conf["data_types"] = {"grad_accum_dtype": ds["accum"]}
+        from ling.engine import deepspeed_config
+
+        cfg = OmegaConf.create({"train": {"micro_batch_size": 1, "grad_accum": args.grad_accum},
+                                "optim": {"grad_clip": 1.0}, "deepspeed": ds})
+        conf = deepspeed_config(cfg, use_bf16=True)
         engine, *_ = deepspeed.initialize(model=model, optimizer=NoOpOptimizer(params), config=conf)
     elif name == "fp32_by_hand":
         for p in params:

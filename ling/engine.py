@@ -212,12 +212,17 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
         if accum not in GRAD_ACCUM_DTYPES:
             raise ValueError(f"deepspeed.grad_accum_dtype={accum!r} is unknown (known: {', '.join(GRAD_ACCUM_DTYPES)}, "
                              "null = DeepSpeed's default, the model's dtype)")
-        if accum == "fp32" and int(ds.zero_stage) in (0, 1) and use_bf16:
-            # stage 0: DeepSpeed refuses the mix; stage 1: it switches to its BF16_Optimizer, whose sum of 8 bf16
-            # micro-batch gradients was 1.7e-3 off the exact one (as bf16 accumulation), tests/test_grad_accum.py
-            raise ValueError(f"deepspeed.grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3 (got "
-                             f"{int(ds.zero_stage)}): DeepSpeed has no working fp32 gradient accumulation for bf16 "
-                             "below ZeRO-2; use deepspeed=zero2, or grad_accum_dtype=null")
+        if accum == "fp32" and int(ds.zero_stage) == 0 and use_bf16:
+            raise ValueError("deepspeed.grad_accum_dtype=fp32 needs deepspeed.zero_stage 1, 2 or 3 (got 0): DeepSpeed "
+                             "refuses fp32 gradient accumulation for bf16 without ZeRO; use deepspeed=zero1, or "
+                             "grad_accum_dtype=null")
+        if accum == "fp32" and int(ds.zero_stage) == 1 and use_bf16:
+            # ZeRO-1 + bf16 + fp32 runs through DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradient is
+            # added into an fp32 gradient in its post-accumulate hook and freed (immediate_grad_update), and the
+            # boundary all-reduces the fp32 sums. Its all-reduce would round them to bf16 (1.7e-3 off the exact
+            # sum, tests/test_grad_accum.py) unless it communicates in fp32.
+            conf["communication_data_type"] = "fp32"
+            conf["bf16"]["immediate_grad_update"] = True
         if use_bf16:  # fp32 runs accumulate in fp32 anyway
             conf["data_types"] = {"grad_accum_dtype": accum}
     conf.update(_as_dict(ds.get("extra")))
@@ -270,12 +275,32 @@ def _expert_parallel_engine() -> type:
     return ExpertParallelEngine
 
 
+def bf16_enabled(cfg: DictConfig, device: torch.device) -> bool:
+    """`deepspeed.bf16`: auto (the default: bf16 weights and gradients on GPU, fp32 on CPU), true (bf16 on CPU
+    too: slow, but it runs DeepSpeed's bf16 code paths, e.g. ZeRO-1's BF16_Optimizer, where CI can test them) or
+    false (fp32 everywhere)."""
+    value = cfg.deepspeed.get("bf16", "auto")
+    if value == "auto":
+        return device.type == "cuda"
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"deepspeed.bf16={value!r}: expected auto, true or false")
+
+
 def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.device):
-    """→ (DeepSpeed engine, LambdaLR scheduler). bf16 on GPU, fp32 on CPU; ZeRO stage from config."""
+    """→ (DeepSpeed engine, LambdaLR scheduler). bf16 per `deepspeed.bf16` (bf16_enabled); ZeRO stage from config."""
     import deepspeed
 
+    use_bf16 = bf16_enabled(cfg, device)
+    if (model_config.ep_size > 1 and use_bf16 and int(cfg.deepspeed.zero_stage) == 1
+            and cfg.deepspeed.get("grad_accum_dtype") == "fp32"):
+        # that combination runs DeepSpeed's BF16_Optimizer, whose boundary all-reduce is the engine's: it would
+        # average the experts over the whole data-parallel group (the engine's MoE flag is lowered after the
+        # optimizer is built, see _expert_parallel_engine)
+        raise ValueError(f"moe.ep_size={model_config.ep_size} with deepspeed.zero_stage=1 and "
+                         "deepspeed.grad_accum_dtype=fp32 is not supported (DeepSpeed's BF16_Optimizer path); use "
+                         "deepspeed=zero2 (fp32 accumulation) or deepspeed.grad_accum_dtype=null")
     ep_group = expert_parallel_group(model_config.ep_size, int(cfg.deepspeed.zero_stage))
-    use_bf16 = device.type == "cuda" and bool(cfg.deepspeed.get("bf16", True))
     ds_config = deepspeed_config(cfg, use_bf16)
     check_deepspeed_config(ds_config, cfg.optim.name)  # before anything is built: refusals come fast
     ablate = fp8_ablation(cfg)

@@ -32,9 +32,9 @@ class NonFiniteStop(StopRun):
 def check_engine_can_skip(engine) -> None:
     """DeepSpeed without ZeRO in fp32 applies whatever the gradients hold; refuse it before training."""
     if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        raise ValueError("deepspeed.zero_stage=0 with fp32 weights (every CPU run, or deepspeed.bf16=false) calls "
-                         "the optimizer without DeepSpeed's overflow check, so a non-finite step could not be "
-                         "skipped: use deepspeed=zero1 (the same memory on one process)")
+        raise ValueError("deepspeed.zero_stage=0 with fp32 weights (a CPU run unless deepspeed.bf16=true, or "
+                         "deepspeed.bf16=false) calls the optimizer without DeepSpeed's overflow check, so a "
+                         "non-finite step could not be skipped: use deepspeed=zero1 (the same memory on one process)")
 
 
 @dataclass

@@ -299,8 +299,9 @@ class Trainer:
     def _measure_optimizer_state(self) -> float:
         state, master = optimizer_state_bytes(self.engine.optimizer, self.model)
         self.optim_state_gib = (state + master) / 2**30
-        log.info("optimizer state on rank %d: %.3f GiB (moments and their scales %.3f + fp32 master weights %.3f)",
-                 self.rank, self.optim_state_gib, state / 2**30, master / 2**30)
+        log.info("optimizer state on rank %d: %.3f GiB (moments and their scales %.3f + fp32 master weights %.3f; "
+                 "DeepSpeed's %s)", self.rank, self.optim_state_gib, state / 2**30, master / 2**30,
+                 type(self.engine.optimizer).__name__)
         return self.optim_state_gib
 
     def validate(self) -> dict[str, float]:

@@ -1,9 +1,10 @@
-"""One process: DeepSpeed bf16 + ZeRO on CPU (gloo), a bf16 linear layer, 8 micro-batches of one step, and the
-gradient the optimizer receives against the float64 sum of the same 8 bf16 micro-batch gradients
-(tests/test_grad_accum.py). Prints one JSON line per case: {"case": "2:fp32", "optimizer": class name,
-"rel_err": ||seen - ref|| / ||ref||}.
+"""DeepSpeed bf16 + ZeRO on CPU (gloo), a bf16 linear layer, 8 micro-batches of one step on each rank, and the
+gradient the optimizer receives against the float64 mean over ranks of the sum of the same 8 bf16 micro-batch
+gradients (tests/test_grad_accum.py). Rank 0 prints one JSON line per case: {"case": "2:fp32", "optimizer": class
+name, "rel_err": ||seen - ref|| / ||ref||}; on several ranks the error is rank 0's partition's.
 
     python tests/grad_accum_worker.py 2:fp32 2:null 3:fp32      # ZeRO stage : deepspeed.grad_accum_dtype
+    torchrun --nproc_per_node 2 tests/grad_accum_worker.py 1:fp32 2:fp32   # each rank its own inputs
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class RecordGradient(torch.optim.Optimizer):
         self.seen = [p.grad.detach().double().clone() for g in self.param_groups for p in g["params"]]
 
 
-def run_case(stage: int, accum: str | None) -> dict:
+def run_case(stage: int, accum: str | None, fp32_communication: bool = False) -> dict:
     import deepspeed
     from omegaconf import OmegaConf
 
@@ -40,7 +41,8 @@ def run_case(stage: int, accum: str | None) -> dict:
 
     cfg = OmegaConf.create({"train": {"micro_batch_size": 1, "grad_accum": MICRO_BATCHES},
                             "optim": {"grad_clip": 0.0},
-                            "deepspeed": {"zero_stage": stage, "grad_accum_dtype": accum}})
+                            "deepspeed": {"zero_stage": stage, "grad_accum_dtype": accum,
+                                          "extra": {"communication_data_type": "fp32"} if fp32_communication else {}}})
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 384, bias=False).to(torch.bfloat16)
     twin = torch.nn.Linear(512, 384, bias=False).to(torch.bfloat16)
@@ -48,6 +50,8 @@ def run_case(stage: int, accum: str | None) -> dict:
     opt = RecordGradient(model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=deepspeed_config(cfg, use_bf16=True))
     # inputs of very different scale per micro-batch: a bf16 running sum loses the small ones' low bits
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(100 + rank)  # each rank its own micro-batches
     xs = [torch.randn(64, 512) * 4.0 ** (i % 4) for i in range(MICRO_BATCHES)]
     ref = torch.zeros(384 * 512, dtype=torch.float64)
     for x in xs:
@@ -58,20 +62,28 @@ def run_case(stage: int, accum: str | None) -> dict:
         ref += twin.weight.grad.double().flatten()
         twin.weight.grad = None
         engine.step()
-    seen = torch.cat([t.flatten() for t in opt.seen])[: ref.numel()]
-    return {"case": f"{stage}:{accum or 'null'}", "optimizer": type(engine.optimizer).__name__,
+    torch.distributed.all_reduce(ref)  # the exact data-parallel mean of the exact sums
+    ref /= world
+    seen = torch.cat([t.flatten() for t in opt.seen])  # this rank's partition (ZeRO-1/2: contiguous, in order)
+    start = rank * seen.numel() if world > 1 else 0
+    seen, ref = seen[: max(0, min(seen.numel(), ref.numel() - start))], ref[start: start + seen.numel()]
+    case = f"{stage}:{accum or 'null'}" + (":fp32_comm" if fp32_communication else "")
+    return {"case": case, "optimizer": type(engine.optimizer).__name__,
             "rel_err": float((seen - ref).norm() / ref.norm())}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cases", nargs="+", help="STAGE:DTYPE, DTYPE one of fp32, bf16, null")
+    ap.add_argument("cases", nargs="+", help="STAGE:DTYPE[:fp32_comm], DTYPE one of fp32, bf16, null; fp32_comm "
+                    "sets deepspeed.extra.communication_data_type=fp32")
     args = ap.parse_args()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     for case in args.cases:
-        stage, accum = case.split(":")
-        print(json.dumps(run_case(int(stage), None if accum == "null" else accum)), flush=True)
+        stage, accum, *comm = case.split(":")
+        row = run_case(int(stage), None if accum == "null" else accum, comm == ["fp32_comm"])
+        if os.environ["RANK"] == "0":
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -260,6 +260,18 @@ def test_ep_size_must_divide_the_experts_and_the_world_and_needs_zero_1_or_2():
     assert expert_parallel_group(1, zero_stage=3) is None
 
 
+def test_expert_parallelism_refuses_zero1_with_fp32_accumulation_in_bf16():
+    """That combination is DeepSpeed's BF16_Optimizer, whose boundary all-reduce would average each rank's own
+    experts over the whole data-parallel group: refused before anything distributed is touched."""
+    from ling.engine import build_engine
+    from model.config import ModelConfig
+
+    cfg = OmegaConf.create({"deepspeed": {"zero_stage": 1, "grad_accum_dtype": "fp32", "bf16": True}})
+    with pytest.raises(ValueError, match=r"moe.ep_size=2 with deepspeed.zero_stage=1 and "
+                                         r"deepspeed.grad_accum_dtype=fp32 is not supported"):
+        build_engine(cfg, ModelConfig.preset("tiny", ep_size=2), torch.device("cpu"))
+
+
 @pytest.mark.slow
 def test_train_py_refuses_an_ep_size_that_does_not_divide_the_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

@@ -2,9 +2,10 @@
 default of deepspeed=zero2/zero3) ZeRO hands the optimizer the fp32 sum of the micro-batch gradients; with
 DeepSpeed's own default (the model's dtype, bf16) the running sum is rounded to bf16 at every micro-batch.
 
-DeepSpeed runs bf16 on CPU too, so the worker (tests/grad_accum_worker.py, one process, gloo) exercises the same
-ZeRO code as a GPU run: 8 micro-batches of inputs of different scale through a bf16 linear layer, the gradient
-the optimizer sees against the float64 sum of the same 8 bf16 gradients by plain autograd.
+DeepSpeed runs bf16 on CPU too, so the worker (tests/grad_accum_worker.py, gloo, one process or two) exercises
+the same ZeRO code as a GPU run: 8 micro-batches of inputs of different scale through a bf16 linear layer, the
+gradient the optimizer sees against the float64 (data-parallel mean of the) sum of the same 8 bf16 gradients by
+plain autograd.
 """
 
 from __future__ import annotations
@@ -28,14 +29,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_fp32_accumulation_is_exact_and_bf16_is_not():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "grad_accum_worker.py"), "2:fp32", "3:fp32", "2:null"],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "grad_accum_worker.py"), "2:fp32", "3:fp32", "2:null",
+                           "1:fp32", "1:null"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"case"'))}
     # fp32: 8 fp32 additions of bf16 values, ~1e-8 relative; bf16: each addition rounds to 8 bits, ~1e-3
-    assert got["2:fp32"]["rel_err"] < 1e-6 and got["3:fp32"]["rel_err"] < 1e-6, got
-    assert got["2:null"]["rel_err"] > 1e-4, got  # what the fp32 default fixes
+    for case in ("1:fp32", "2:fp32", "3:fp32"):
+        assert got[case]["rel_err"] < 1e-6, got
+    assert got["2:null"]["rel_err"] > 1e-4 and got["1:null"]["rel_err"] > 1e-4, got  # what the fp32 default fixes
     assert got["3:fp32"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+    # ZeRO-1 + fp32 is DeepSpeed's BF16_Optimizer; exact only because ling/engine.py makes it communicate in fp32
+    assert got["1:fp32"]["optimizer"] == "BF16_Optimizer" and got["1:null"]["optimizer"] == "DeepSpeedZeroOptimizer"
+
+
+def test_across_two_ranks_zero1_fp32_is_exact_and_zero2_rounds_each_micro_batch_mean_to_bf16():
+    """Data parallel over 2 ranks, each its own micro-batches: ZeRO-1 + fp32 (DeepSpeed's BF16_Optimizer) sums
+    in fp32 and all-reduces the sums once in fp32 (ling/engine.py sets communication_data_type); ZeRO-2 + fp32
+    reduce-scatters every micro-batch's bf16 gradient in bf16 and only then sums in fp32, so each micro-batch's
+    mean over ranks is rounded to bf16 once (one bf16 rounding, like a bf16 gradient's own; it does not compound
+    like a bf16 running sum). `deepspeed.extra.communication_data_type=fp32` makes ZeRO-2 exact too."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "tests" / "grad_accum_worker.py"),
+                           "1:fp32", "2:fp32", "2:fp32:fp32_comm"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"case"'))}
+    assert got["1:fp32"]["optimizer"] == "BF16_Optimizer" and got["1:fp32"]["rel_err"] < 1e-6, got
+    assert got["2:fp32:fp32_comm"]["rel_err"] < 1e-6, got
+    assert 1e-4 < got["2:fp32"]["rel_err"] < 1e-2, got  # bf16 rounding (2^-9 relative) of each micro-batch's mean
 
 
 def _cfg(stage: int, accum) -> OmegaConf:
@@ -44,14 +69,38 @@ def _cfg(stage: int, accum) -> OmegaConf:
 
 
 def test_config_defaults_and_refusals():
-    for stage, want in ((0, None), (1, None), (2, "fp32"), (3, "fp32")):
+    for stage, want in ((0, None), (1, "fp32"), (2, "fp32"), (3, "fp32")):
         assert OmegaConf.load(ROOT / "conf" / "deepspeed" / f"zero{stage}.yaml").grad_accum_dtype == want
     assert deepspeed_config(_cfg(2, "fp32"), use_bf16=True)["data_types"] == {"grad_accum_dtype": "fp32"}
     assert "data_types" not in deepspeed_config(_cfg(2, None), use_bf16=True)
     assert "data_types" not in deepspeed_config(_cfg(2, "fp32"), use_bf16=False)  # fp32 runs: fp32 anyway
     with pytest.raises(ValueError, match="deepspeed.grad_accum_dtype='fp16' is unknown"):
         deepspeed_config(_cfg(2, "fp16"), use_bf16=True)
-    for stage in (0, 1):
-        want = f"grad_accum_dtype=fp32 needs deepspeed.zero_stage 2 or 3 \\(got {stage}\\)"
-        with pytest.raises(ValueError, match=want):
-            deepspeed_config(_cfg(stage, "fp32"), use_bf16=True)
+    with pytest.raises(ValueError, match="grad_accum_dtype=fp32 needs deepspeed.zero_stage 1, 2 or 3 \\(got 0\\)"):
+        deepspeed_config(_cfg(0, "fp32"), use_bf16=True)
+    zero1 = deepspeed_config(_cfg(1, "fp32"), use_bf16=True)  # BF16_Optimizer: fp32 sums, fp32 all-reduce
+    assert zero1["data_types"] == {"grad_accum_dtype": "fp32"} and zero1["communication_data_type"] == "fp32"
+    assert zero1["bf16"]["immediate_grad_update"] is True
+    for stage in (2, 3):  # ZeRO-2/3 reduce bf16 gradients into fp32 partitions: no change there
+        conf = deepspeed_config(_cfg(stage, "fp32"), use_bf16=True)
+        assert "communication_data_type" not in conf and "immediate_grad_update" not in conf["bf16"]
+    assert "communication_data_type" not in deepspeed_config(_cfg(1, None), use_bf16=True)
+
+
+def test_deepspeed_bf16_auto_true_false():
+    import torch
+
+    from ling.engine import bf16_enabled
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg = OmegaConf.load(ROOT / "conf" / "deepspeed" / "zero2.yaml")
+    assert cfg.bf16 == "auto"
+    wrap = OmegaConf.create({"deepspeed": cfg})
+    assert (bf16_enabled(wrap, cpu), bf16_enabled(wrap, cuda)) == (False, True)
+    wrap.deepspeed.bf16 = True
+    assert (bf16_enabled(wrap, cpu), bf16_enabled(wrap, cuda)) == (True, True)
+    wrap.deepspeed.bf16 = False
+    assert (bf16_enabled(wrap, cpu), bf16_enabled(wrap, cuda)) == (False, False)
+    wrap.deepspeed.bf16 = "yes"
+    with pytest.raises(ValueError, match="deepspeed.bf16='yes': expected auto, true or false"):
+        bf16_enabled(wrap, cpu)

@@ -292,3 +292,20 @@ def test_fp8_run_with_fp8_adam_resumes_exactly(tmp_path):
     resumed, _ = run_train(tmp_path / "resumed", 1, fp8)
     assert [m["step"] for m in resumed] == [3, 4]
     same_losses(full[2:], resumed)
+
+
+@pytest.mark.slow
+def test_bf16_zero1_with_fp32_accumulation_trains_on_two_processes_and_resumes_exactly(tmp_path):
+    """deepspeed=zero1 in bf16 (deepspeed.bf16=true runs bf16 on CPU) is DeepSpeed's BF16_Optimizer with fp32
+    gradient sums and an fp32 all-reduce (ling/engine.py): the FP8 model with FP8AdamW trains through it on 2
+    ranks with gradient accumulation, and a resume from its checkpoint reproduces the losses bit for bit."""
+    bf16 = ["deepspeed=zero1", "deepspeed.bf16=true", "precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0",
+            "train.steps=4", "train.micro_batch_size=1", "train.grad_accum=2"]
+    full, proc = run_train(tmp_path / "full", 2, [*bf16, "train.save_every=2"])
+    assert "DeepSpeed's BF16_Optimizer)" in (tmp_path / "full" / "train.log").read_text()  # not ZeRO's
+    assert all(m["grad_norm"] > 0 for m in full) and full[-1]["loss"] < full[0]["loss"]
+    tag = "step00000002"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / tag, tmp_path / "resumed" / "checkpoints" / tag)
+    resumed, _ = run_train(tmp_path / "resumed", 2, bf16)
+    assert [m["step"] for m in resumed] == [3, 4]
+    same_losses(full[2:], resumed)
