@@ -46,6 +46,10 @@ VARIANTS = {
     "fp8_bf16wgrad": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16"],  # experts' dW from bf16 operands
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
     "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
+    # ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer) instead of the default ZeRO-2: the grad path
+    "bf16_zero1": ["precision=bf16", "optim=adamw", "deepspeed=zero1"],
+    "fp8_zero1": ["precision=fp8", "optim=fp8_adamw", "deepspeed=zero1"],
+    "fp8_bf16wgrad_zero1": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16", "deepspeed=zero1"],
 }
 NO_MTP = "_nomtp"
 RECOMPUTE = ("none", "full", "selective")  # model.recompute

@@ -35,6 +35,8 @@ def test_variant_specs():
         2, ["precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.recompute=full",
             "model.num_mtp_layers=0"])
     assert bench.variant_overrides("bf16+none@4", args)[1][2:4] == ["train.micro_batch_size=4", "model.recompute=none"]
+    micro, overrides = bench.variant_overrides("fp8_bf16wgrad_zero1@12", args)  # the ZeRO-1 grad path's rows
+    assert micro == 12 and "deepspeed=zero1" in overrides and "fp8.expert_wgrad=bf16" in overrides
     for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "fp8@maximum", "bf16_nomtp_nomtp", "fp8+half", "fp8+"):
         with pytest.raises(SystemExit, match="--variants"):
             bench.parse_variant(bad, 1)
