@@ -260,15 +260,35 @@ def init_partitioned_parameters(model: LingForCausalLM) -> None:
 def _expert_parallel_engine() -> type:
     """DeepSpeed's engine hands its ZeRO optimizer the expert-data-parallel groups (and configures the MoE
     parameter groups) only when the model contains DeepSpeed's own `deepspeed.moe.layer.MoE` modules, which
-    ours are not. This subclass raises that flag while the ZeRO optimizer is built and lowers it again, so that
-    checkpoints keep DeepSpeed's plain layout (ling/checkpoint.py writes the experts beside it)."""
+    ours are not. This subclass raises that flag while the ZeRO optimizer (or, for ZeRO-1 + bf16 + fp32
+    accumulation, the BF16_Optimizer) is built and lowers it again, so that checkpoints keep DeepSpeed's plain
+    layout (ling/checkpoint.py writes the experts beside it). The BF16_Optimizer leaves the boundary all-reduce to
+    the engine, which reduces the expert gradients over their expert-data-parallel groups only under the flag:
+    it is raised for that call too (without it the experts were averaged over every rank, experts of other
+    expert-parallel ranks included; tests/test_expert_parallel.py)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     class ExpertParallelEngine(DeepSpeedEngine):
         def _configure_zero_optimizer(self, optimizer):
+            with self._moe_flag_raised():
+                return super()._configure_zero_optimizer(optimizer)
+
+        def _configure_bf16_optimizer(self, optimizer):
+            with self._moe_flag_raised():
+                return super()._configure_bf16_optimizer(optimizer)
+
+        def allreduce_gradients(self, *args, **kwargs):
+            if not isinstance(self.optimizer, BF16_Optimizer):  # ZeRO reduces in its own hooks and groups
+                return super().allreduce_gradients(*args, **kwargs)
+            with self._moe_flag_raised():
+                return super().allreduce_gradients(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def _moe_flag_raised(self):
             self.has_moe_layers = True
             try:
-                return super()._configure_zero_optimizer(optimizer)
+                yield
             finally:
                 self.has_moe_layers = False
 
@@ -292,14 +312,6 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     import deepspeed
 
     use_bf16 = bf16_enabled(cfg, device)
-    if (model_config.ep_size > 1 and use_bf16 and int(cfg.deepspeed.zero_stage) == 1
-            and cfg.deepspeed.get("grad_accum_dtype") == "fp32"):
-        # that combination runs DeepSpeed's BF16_Optimizer, whose boundary all-reduce is the engine's: it would
-        # average the experts over the whole data-parallel group (the engine's MoE flag is lowered after the
-        # optimizer is built, see _expert_parallel_engine)
-        raise ValueError(f"moe.ep_size={model_config.ep_size} with deepspeed.zero_stage=1 and "
-                         "deepspeed.grad_accum_dtype=fp32 is not supported (DeepSpeed's BF16_Optimizer path); use "
-                         "deepspeed=zero2 (fp32 accumulation) or deepspeed.grad_accum_dtype=null")
     ep_group = expert_parallel_group(model_config.ep_size, int(cfg.deepspeed.zero_stage))
     ds_config = deepspeed_config(cfg, use_bf16)
     check_deepspeed_config(ds_config, cfg.optim.name)  # before anything is built: refusals come fast
