@@ -230,6 +230,23 @@ def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2) ->
     )
 
 
+def over_the_run(a: Run, b: Run, key: str, edges: np.ndarray) -> list[float | None]:
+    """Mean relative difference (A − B) / B of `key` in each step range (edges[i], edges[i + 1]]: where along
+    the run a gap opens (None for a range without a step both runs logged)."""
+    steps, rel = aligned_relative_difference(a, b, key)
+    return [float(rel[m].mean()) if (m := (steps > lo) & (steps <= hi)).any() else None
+            for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def step_edges(pairs: Sequence[tuple[Run, Run]], key: str, bins: int = 10) -> np.ndarray:
+    """`bins` + 1 step boundaries splitting the steps logged by the pairs into equal ranges: (0, last]; for a
+    sparsely logged key (val_loss every N steps) at most one range per logged step."""
+    logged = np.unique(np.concatenate([aligned_relative_difference(a, b, key)[0] for a, b in pairs]))
+    if len(logged) <= bins:
+        return np.concatenate([[0], logged]).astype(np.int64)
+    return np.unique(np.round(np.linspace(0, logged[-1], bins + 1)).astype(np.int64))
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     """mean, std (ddof 1), min, max, n and the mean's 95 % t-interval (ci_low, ci_high; NaN for n < 2)."""
     from scipy import stats
@@ -255,6 +272,8 @@ class Comparison:
     within_noise: bool | None  # |mean over pairs of mean_rel| <= noise_floor
     within_target: bool  # |mean over pairs of mean_rel| <= 0.1 %
     upward_trend: list[str]  # candidates whose slope CI lies above 0
+    edges: list[int] = field(default_factory=list)  # step ranges (edges[i], edges[i + 1]] of the tables below
+    over_the_run: dict[str, list[float | None]] = field(default_factory=dict)  # "A vs B" → mean rel. diff per range
 
 
 def summarize(pairs: list[PairSummary], noise: list[PairSummary]) -> Comparison:
@@ -418,6 +437,14 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
         lines.append(_mean_row(f"**noise: mean over {len(comp.noise)} pairs**", comp.noise_rel,
                                spread([p.mean_abs_rel for p in comp.noise])))
     lines += ["", "**Verdict.** " + verdict(comp), ""]
+    if comp.edges:
+        lines += ["## Over the run", "", f"Mean relative `{key}` difference in each range of steps (ending at the "
+                  "step in the header): where along the run the gap opens.", "",
+                  "| A vs B | " + " | ".join(f"≤ {e}" for e in comp.edges[1:]) + " |",
+                  "|---|" + "---|" * (len(comp.edges) - 1)]
+        lines += [f"| {name} | " + " | ".join("–" if v is None else _pct(v, 2) for v in row) + " |"
+                  for name, row in comp.over_the_run.items()]
+        lines.append("")
     lines += ["## Plots", ""]
     for title, name in (("Loss curves", "loss"), ("Relative difference", "rel_diff"), ("FP8 health", "fp8_health")):
         if plots.get(name) is not None:
@@ -484,6 +511,11 @@ def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | 
     summaries = [summarize_pair(a, b, key=key, window=window) for a, b in run_pairs]
     noise_summaries = [summarize_pair(a, b, key=key, window=window) for a, b in noise_pairs]
     comp = summarize(summaries, noise_summaries)
+    edges = step_edges(run_pairs + noise_pairs, key)
+    comp.edges = [int(e) for e in edges]
+    comp.over_the_run = {
+        f"{'noise: ' if i >= len(run_pairs) else ''}{a.name} vs {b.name}": over_the_run(a, b, key, edges)
+        for i, (a, b) in enumerate(run_pairs + noise_pairs)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = {"loss": plot_losses(run_pairs, noise_pairs, key, out / "loss_curves.png"),

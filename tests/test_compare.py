@@ -226,3 +226,29 @@ def test_identical_check_passes_a_copy_and_names_the_first_differing_step(tmp_pa
     with pytest.raises(SystemExit) as done:
         compare.main(["--identical", str(a), str(c)])
     assert done.value.code == 1 and "NOT bit-identical" in capsys.readouterr().out
+
+
+def test_over_the_run_table_shows_where_the_gap_opens(tmp_path):
+    """A gap of exactly +1 % from step 101 on: the training loss's 10 ranges of 20 steps read 0 then +1 %; a
+    sparsely logged key (val_loss every 50 steps) gets one range per logged step."""
+    base = _baseline()
+    steps = np.arange(1, STEPS + 1)
+    b = write_run(tmp_path, "bf16", base, _config())
+    a = write_run(tmp_path, "fp8", np.where(steps > 100, base * 1.01, base), _config(**{"precision.name": "fp8"}))
+    for run, factor in ((b, 1.0), (a, 1.02)):  # val_loss at steps 50, 100, 150, 200; fp8's +2 % from step 150
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        with open(run / "metrics.jsonl", "w") as f:
+            for line in lines:
+                rec = json.loads(line)
+                if rec["step"] % 50 == 0:
+                    rec["val_loss"] = 3.0 * (factor if rec["step"] >= 150 else 1.0)
+                f.write(json.dumps(rec) + "\n")
+    comp = compare.compare([(a, b)], out_dir=tmp_path / "report")
+    assert comp.edges == list(range(0, STEPS + 1, 20))
+    row = comp.over_the_run["fp8 vs bf16"]
+    assert row[:5] == pytest.approx([0.0] * 5, abs=1e-12) and row[5:] == pytest.approx([0.01] * 5, rel=1e-9)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "## Over the run" in report and "| ≤ 20 |" in report and "+1.00 %" in report
+    val = compare.compare([(a, b)], out_dir=tmp_path / "report_val", key="val_loss", window=0.5)
+    assert val.edges == [0, 50, 100, 150, 200]
+    assert val.over_the_run["fp8 vs bf16"] == pytest.approx([0.0, 0.0, 0.02, 0.02], abs=1e-12)
