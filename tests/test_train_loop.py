@@ -309,3 +309,16 @@ def test_bf16_zero1_with_fp32_accumulation_trains_on_two_processes_and_resumes_e
     resumed, _ = run_train(tmp_path / "resumed", 2, bf16)
     assert [m["step"] for m in resumed] == [3, 4]
     same_losses(full[2:], resumed)
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_is_skipped_under_zero1s_bf16_optimizer_too(tmp_path):
+    """The non-finite guard relies on DeepSpeed skipping the step; ZeRO-1 in bf16 with fp32 accumulation is
+    DeepSpeed's BF16_Optimizer, which decides that itself (an invalid gradient norm): step 3's NaN is skipped
+    there as under ZeRO-2, and training goes on after it."""
+    metrics, _ = run_train(tmp_path, 1, ["train.steps=5", "train.inject_nan_steps=[3]", "deepspeed=zero1",
+                                         "deepspeed.bf16=true"])
+    assert [(m["step"], m["skipped"], m["nonfinite_steps"]) for m in metrics] == [
+        (1, False, 0), (2, False, 0), (3, True, 1), (4, False, 1), (5, False, 1)]
+    assert metrics[2]["loss"] is None and all(m["loss"] is not None for m in metrics[3:])
+    assert "DeepSpeed's BF16_Optimizer)" in (tmp_path / "train.log").read_text()
