@@ -286,12 +286,19 @@ def test_deepspeed_launcher_runs_and_a_sigterm_to_its_process_group_saves(tmp_pa
 @pytest.mark.slow
 def test_fp8_run_with_fp8_adam_resumes_exactly(tmp_path):
     fp8 = ["precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0", "train.steps=4", "train.micro_batch_size=2"]
-    full, _ = run_train(tmp_path / "full", 1, [*fp8, "train.save_every=2"])
+    check_resume_from_step_2(tmp_path, 1, fp8)
+
+
+def check_resume_from_step_2(tmp_path: Path, nproc: int, overrides: list[str]) -> list[dict]:
+    """A 4-step run saving at step 2, then a fresh run dir holding only that checkpoint: the resumed steps 3-4
+    reproduce the uninterrupted run's losses bit for bit. Returns the uninterrupted run's metrics."""
+    full, _ = run_train(tmp_path / "full", nproc, [*overrides, "train.save_every=2"])
     tag = "step00000002"
     shutil.copytree(tmp_path / "full" / "checkpoints" / tag, tmp_path / "resumed" / "checkpoints" / tag)
-    resumed, _ = run_train(tmp_path / "resumed", 1, fp8)
+    resumed, _ = run_train(tmp_path / "resumed", nproc, overrides)
     assert [m["step"] for m in resumed] == [3, 4]
     same_losses(full[2:], resumed)
+    return full
 
 
 @pytest.mark.slow
@@ -301,14 +308,9 @@ def test_bf16_zero1_with_fp32_accumulation_trains_on_two_processes_and_resumes_e
     ranks with gradient accumulation, and a resume from its checkpoint reproduces the losses bit for bit."""
     bf16 = ["deepspeed=zero1", "deepspeed.bf16=true", "precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0",
             "train.steps=4", "train.micro_batch_size=1", "train.grad_accum=2"]
-    full, proc = run_train(tmp_path / "full", 2, [*bf16, "train.save_every=2"])
+    full = check_resume_from_step_2(tmp_path, 2, bf16)
     assert "DeepSpeed's BF16_Optimizer)" in (tmp_path / "full" / "train.log").read_text()  # not ZeRO's
     assert all(m["grad_norm"] > 0 for m in full) and full[-1]["loss"] < full[0]["loss"]
-    tag = "step00000002"
-    shutil.copytree(tmp_path / "full" / "checkpoints" / tag, tmp_path / "resumed" / "checkpoints" / tag)
-    resumed, _ = run_train(tmp_path / "resumed", 2, bf16)
-    assert [m["step"] for m in resumed] == [3, 4]
-    same_losses(full[2:], resumed)
 
 
 @pytest.mark.slow
