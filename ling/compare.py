@@ -230,18 +230,17 @@ def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2) ->
     )
 
 
-def over_the_run(a: Run, b: Run, key: str, edges: np.ndarray) -> list[float | None]:
-    """Mean relative difference (A − B) / B of `key` in each step range (edges[i], edges[i + 1]]: where along
-    the run a gap opens (None for a range without a step both runs logged)."""
-    steps, rel = aligned_relative_difference(a, b, key)
+def over_the_run(steps: np.ndarray, rel: np.ndarray, edges: np.ndarray) -> list[float | None]:
+    """Mean of one pair's relative difference `rel` (at `steps`, aligned_relative_difference) in each step range
+    (edges[i], edges[i + 1]]: where along the run a gap opens (None for a range without a logged step)."""
     return [float(rel[m].mean()) if (m := (steps > lo) & (steps <= hi)).any() else None
             for lo, hi in zip(edges[:-1], edges[1:])]
 
 
-def step_edges(pairs: Sequence[tuple[Run, Run]], key: str, bins: int = 10) -> np.ndarray:
-    """`bins` + 1 step boundaries splitting the steps logged by the pairs into equal ranges: (0, last]; for a
-    sparsely logged key (val_loss every N steps) at most one range per logged step."""
-    logged = np.unique(np.concatenate([aligned_relative_difference(a, b, key)[0] for a, b in pairs]))
+def step_edges(logged_steps: Sequence[np.ndarray], bins: int = 10) -> np.ndarray:
+    """`bins` + 1 step boundaries splitting the pairs' logged steps into equal ranges: (0, last]; for a sparsely
+    logged key (val_loss every N steps) at most one range per logged step."""
+    logged = np.unique(np.concatenate(list(logged_steps)))
     if len(logged) <= bins:
         return np.concatenate([[0], logged]).astype(np.int64)
     return np.unique(np.round(np.linspace(0, logged[-1], bins + 1)).astype(np.int64))
@@ -511,11 +510,12 @@ def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | 
     summaries = [summarize_pair(a, b, key=key, window=window) for a, b in run_pairs]
     noise_summaries = [summarize_pair(a, b, key=key, window=window) for a, b in noise_pairs]
     comp = summarize(summaries, noise_summaries)
-    edges = step_edges(run_pairs + noise_pairs, key)
+    diffs = [aligned_relative_difference(a, b, key) for a, b in run_pairs + noise_pairs]
+    edges = step_edges([steps for steps, _ in diffs])
     comp.edges = [int(e) for e in edges]
     comp.over_the_run = {
-        f"{'noise: ' if i >= len(run_pairs) else ''}{a.name} vs {b.name}": over_the_run(a, b, key, edges)
-        for i, (a, b) in enumerate(run_pairs + noise_pairs)}
+        f"{'noise: ' if i >= len(run_pairs) else ''}{a.name} vs {b.name}": over_the_run(*diff, edges)
+        for i, ((a, b), diff) in enumerate(zip(run_pairs + noise_pairs, diffs))}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = {"loss": plot_losses(run_pairs, noise_pairs, key, out / "loss_curves.png"),

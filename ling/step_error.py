@@ -68,14 +68,14 @@ class _Sums:
     by_group: dict[str, torch.Tensor] = field(default_factory=dict)
     per_batch: list[torch.Tensor] = field(default_factory=list)
 
-    def start_batch(self) -> None:
-        self.per_batch.append(torch.zeros(4, dtype=torch.float64))
+    def start_batch(self, device: torch.device | str) -> None:
+        self.per_batch.append(torch.zeros(4, dtype=torch.float64, device=device))
 
     def add(self, group: str, g: torch.Tensor, g_ref: torch.Tensor) -> None:
         g, g_ref = g.double(), g_ref.double()
         terms = torch.stack([(g - g_ref).square().sum(), g_ref.square().sum(), (g * g_ref).sum(), g.square().sum()])
         self.by_group[group] = self.by_group[group] + terms if group in self.by_group else terms
-        self.per_batch[-1] = self.per_batch[-1].to(terms.device) + terms
+        self.per_batch[-1] += terms
 
     def _totals(self, group: str | None) -> list[float]:
         if group is not None:
@@ -150,7 +150,7 @@ def step_errors(models: Mapping[str, nn.Module], batches: Iterable[Mapping[str, 
             changed, total = _changed_assignments(routes, ref_routes)
             flips[c][0] += changed
             flips[c][1] += total
-            sums[c].start_batch()
+            sums[c].start_batch(device)
             for name, g_ref in ref_grads.items():
                 g = grads.get(name)
                 sums[c].add(parameter_group(name), torch.zeros_like(g_ref) if g is None else g, g_ref)

@@ -15,9 +15,13 @@ from pathlib import Path
 
 from scipy import stats
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fp8.linear import ABLATION_COMPONENTS, EMULATED  # noqa: E402
+
 # FP8Linear components: a run that keeps one in high precision takes the ablation path's fp32 GEMMs, so its
 # baseline is the `emulated` run (same path, nothing in high precision) when there is one
-LINEAR_COMPONENTS = {"fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x", "wgrad_bf16"}
+LINEAR_COMPONENTS = set(ABLATION_COMPONENTS) - {EMULATED}
 
 
 def baseline_of(name: str, names: set[str]) -> str | None:
@@ -25,7 +29,8 @@ def baseline_of(name: str, names: set[str]) -> str | None:
     if name == "fp8":
         return None
     parts = set(name.removeprefix("no-").split("+"))
-    return "no-emulated" if parts & LINEAR_COMPONENTS and "no-emulated" in names else "fp8"
+    emulated = f"no-{EMULATED}"
+    return emulated if parts & LINEAR_COMPONENTS and emulated in names else "fp8"
 
 
 def row(name: str, summary: dict, base: str | None, base_mean: float | None) -> str:
