@@ -34,8 +34,20 @@ import torch
 from ling.checkpoint import EXPERT_SHARD, TRAINER_STATE, rank_world
 from ling.weights import MODEL_STATES
 
-ZERO_FILE = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+ZERO_FILE = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # DeepSpeed prefixes "bf16_" when bf16 is enabled
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def zero_file(folder: Path, rank: int) -> Path:
+    """Rank `rank`'s ZeRO-1/2 optimizer file in a checkpoint folder: DeepSpeed names it `bf16_zero_pp_rank_…`
+    when the run trained in bf16 (ZeRO-2 and ZeRO-1's BF16_Optimizer alike: every GPU run) and `zero_pp_rank_…`
+    otherwise."""
+    plain = folder / ZERO_FILE.format(rank=rank)
+    for path in (folder / f"bf16_{plain.name}", plain):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{folder}: no ZeRO optimizer file of rank {rank} ({plain.name} or bf16_{plain.name}); "
+                            "re-partitioning for another moe.ep_size needs the ZeRO-1/2 files of every rank")
 
 
 @dataclass
@@ -55,7 +67,7 @@ class SavedZeroState:
     element range of the whole parameter."""
 
     def __init__(self, folder: Path, world: int, expert_names: set[str], numel: dict[str, int]) -> None:
-        self.sds = [torch.load(folder / ZERO_FILE.format(rank=r), map_location="cpu", mmap=True,
+        self.sds = [torch.load(zero_file(folder, r), map_location="cpu", mmap=True,
                                weights_only=False)["optimizer_state_dict"] for r in range(world)]  # fmt: skip
         no_ep = {"ep_size": 1, "ep_rank": 0}  # checkpoints from before expert parallelism
         layouts = [torch.load(folder / TRAINER_STATE.format(rank=r), weights_only=False).get("expert_parallel", no_ep)
@@ -151,13 +163,25 @@ def _lr_scheduler_state(saved: dict[str, Any], groups: int) -> dict[str, Any]:
     return state
 
 
+def _flat_partitions(zero) -> list[tuple[torch.Tensor, list[torch.nn.Parameter]]] | None:
+    """Per param group: this rank's flat fp32 master partition and the group's parameters (each with DeepSpeed's
+    `_hp_mapping` of its fragment in that partition), for DeepSpeed's ZeRO-1/2 optimizer and for its
+    BF16_Optimizer (ZeRO-1 with bf16 and fp32 accumulation); None for any other engine optimizer."""
+    if hasattr(zero, "single_partition_of_fp32_groups"):
+        return list(zip(zero.single_partition_of_fp32_groups, zero.bit16_groups))
+    if hasattr(zero, "fp32_groups_flat_partition"):
+        return list(zip(zero.fp32_groups_flat_partition, zero.bf16_groups))
+    return None
+
+
 @torch.no_grad()
 def load_resharded(engine, folder: Path, saved_ep: int) -> None:
     """Load checkpoint `folder`, written with moe.ep_size=`saved_ep` by as many ranks as this run has, into
     `engine` (ZeRO-1/2, another moe.ep_size): module, fp32 master weights, optimizer moments, lr scheduler
     and step counters. Every rank calls it."""
     zero, model = engine.optimizer, engine.module
-    if not hasattr(zero, "single_partition_of_fp32_groups"):
+    partitions = _flat_partitions(zero)
+    if partitions is None:
         raise ValueError(f"checkpoint {folder} was written with moe.ep_size={saved_ep}; loading it with moe.ep_size="
                          f"{model.config.ep_size} re-partitions ZeRO-1/2 optimizer state, not this engine's")
     _, world = rank_world()
@@ -169,9 +193,9 @@ def load_resharded(engine, folder: Path, saved_ep: int) -> None:
     saved = SavedZeroState(folder, world, {n for n, _ in model.expert_parameters()}, whole)
     base = zero.optimizer
     new_states = {}
-    for i, flat in enumerate(zero.single_partition_of_fp32_groups):
+    for i, (flat, params) in enumerate(partitions):
         moments = {key: torch.zeros_like(flat) for key in MOMENTS}
-        for p in zero.bit16_groups[i]:
+        for p in params:
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is None:  # none of p's elements sit in this rank's partition
                 continue

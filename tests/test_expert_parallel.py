@@ -309,7 +309,12 @@ def test_four_ranks_ep2_under_zero1_bf16_fp32_accumulation_match_ep1(tmp_path):
     specs = [{"dir": str(tmp_path / "ep2"), "digests": True, "overrides": [*bf16, "moe.ep_size=2"]},
              {"dir": str(tmp_path / "ep1"), "overrides": bf16},
              {"dir": str(tmp_path / "ep2_resumed"), "overrides": [*bf16, "moe.ep_size=2"],
-              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002")}]
+              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002")},
+             {"dir": str(tmp_path / "ep2to1"), "overrides": bf16,
+              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002")},
+             {"dir": str(tmp_path / "resave"), "overrides": bf16,
+              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002"),
+              "resave_to": str(tmp_path / "resave" / "resaved")}]
     (tmp_path / "runs.json").write_text(json.dumps(specs))
     ranks = [r["ep2"] for r in launch(4, "runs", tmp_path / "out.pt", "--runs", str(tmp_path / "runs.json"))]
     assert ranks[0]["experts"] == ranks[2]["experts"] and ranks[1]["experts"] == ranks[3]["experts"]
@@ -326,3 +331,11 @@ def test_four_ranks_ep2_under_zero1_bf16_fp32_accumulation_match_ep1(tmp_path):
     # DeepSpeed's BF16_Optimizer checkpoint with the experts beside it resumes at ep_size 2 bit for bit
     resumed = metrics_of(tmp_path / "ep2_resumed")
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in ep2[2:]]
+    # ... and re-partitions for ep_size 1 (its files are DeepSpeed's bf16_zero_pp_rank_*, its partitions the
+    # BF16_Optimizer's): the continued run follows ep2 within the layouts' noise above, and the state saved right
+    # after the re-partition is the saved one (AdamW moments: exact)
+    step2 = tmp_path / "ep2" / "checkpoints" / "step00000002"
+    assert (step2 / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    for a, b in zip(metrics_of(tmp_path / "ep2to1"), ep2[2:], strict=True):
+        assert a["step"] == b["step"] and close(a["loss"], b["loss"], 5e-4) and close(a["grad_norm"], b["grad_norm"], 3e-3)
+    check_resaved(step2, tmp_path / "resave" / "resaved" / "step00000002", "fp32", world=4)
