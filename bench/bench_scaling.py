@@ -1,7 +1,7 @@
 """Multi-GPU scaling: ZeRO and expert parallelism on N GPUs, BF16 + AdamW vs FP8 + FP8 Adam, through train.py.
 
     python bench/bench_scaling.py [--gpus 1,2,4,8] [--models ling_mini_2_0_e64,ling_mini_2_0] [--ep 1,N]
-        [--variants bf16,fp8] [--steps 10] [--warmup 4] [--dry-run]
+        [--variants bf16,fp8] [--steps 10] [--warmup 4] [--deepspeed zero1] [--dry-run]
     python bench/bench_scaling.py --device cpu --gpus 1,2 --models tiny --steps 3 --warmup 1   # smoke test (gloo)
 
 For each model, GPU count N (default: 1 and every power of two up to the GPUs present), expert-parallel size
@@ -33,13 +33,12 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def command(model: str, gpus: int, ep: int, variant: str, args, run_dir: Path) -> list[str]:
-    cpu = args.device == "cpu"
     return ["torchrun", "--standalone", f"--nproc_per_node={gpus}", "train.py", f"model={model}", "data=synthetic",
             f"data.vocab_size={args.vocab}", f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
             f"train.micro_batch_size={args.micro}", f"train.grad_accum={args.grad_accum}",
             f"train.device={args.device}", "train.save_final=false", "train.save_every=0", "train.eval_every=0",
             "logging.wandb.mode=disabled", "logging.progress_bar=false", f"hydra.run.dir={run_dir}",
-            "optim.warmup_steps=2", f"moe.ep_size={ep}", *(["deepspeed=zero1"] if cpu else []),
+            "optim.warmup_steps=2", f"moe.ep_size={ep}", f"deepspeed={args.deepspeed}",
             *VARIANTS[variant], *shlex.split(args.extra)]  # fmt: skip
 
 
@@ -82,6 +81,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=157184)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--extra", default="model.recompute=full")
+    ap.add_argument("--deepspeed", default="zero1", help="the deepspeed config group (default zero1, the GPU "
+                    "experiments')")
     ap.add_argument("--dry-run", action="store_true", help="print the launch commands only")
     args = ap.parse_args()
     if args.device == "cpu":  # the smoke test: small shapes

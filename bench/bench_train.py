@@ -3,6 +3,7 @@
     python bench/bench_train.py [--model ling_mini_2_0_e64] [--steps 12] [--warmup 4] [--seq-len 4096]
         [--micro 1] [--grad-accum 8] [--recompute none] [--variants bf16,fp8,bf16_nomtp,fp8_nomtp,bf16+full@4]
         [--profile fp8] [--profile-python fp8] [--extra 'key=value ...'] [--device cuda] [--max-micro 64]
+        [--deepspeed zero1]
 
 A variant is NAME[_nomtp][+RECOMPUTE][@M|@max]: a name from VARIANTS, optionally `_nomtp`
 (`model.num_mtp_layers=0`), `+none` / `+full` / `+selective` (`model.recompute`, default `--recompute`) and `@M`
@@ -10,7 +11,8 @@ A variant is NAME[_nomtp][+RECOMPUTE][@M|@max]: a name from VARIANTS, optionally
 per optimizer step grow with M), or `@max` (the largest micro-batch that fits: doubled from `--micro` in 2-step
 trials until one runs out of memory or passes `--max-micro`, then measured; the trials are listed under the
 table). Each is a
-fresh `python train.py` process (so peak memory is its own) on synthetic data;
+fresh `python train.py` process (so peak memory is its own) on synthetic data, under `deepspeed=--deepspeed`
+(default zero1, the GPU experiments'; the `*_zero2` rows and an `--extra` naming the group override it);
 the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU),
 the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
 speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
@@ -46,11 +48,12 @@ VARIANTS = {
     "fp8_bf16wgrad": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16"],  # experts' dW from bf16 operands
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
     "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
-    # ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer) instead of the default ZeRO-2: the grad path
-    "bf16_zero1": ["precision=bf16", "optim=adamw", "deepspeed=zero1"],
-    "fp8_zero1": ["precision=fp8", "optim=fp8_adamw", "deepspeed=zero1"],
-    "fp8_bf16wgrad_zero1": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16", "deepspeed=zero1"],
+    # ZeRO-2 (fp32 accumulation into its gradient partitions) instead of --deepspeed's ZeRO-1: the grad path
+    "bf16_zero2": ["precision=bf16", "optim=adamw", "deepspeed=zero2"],
+    "fp8_zero2": ["precision=fp8", "optim=fp8_adamw", "deepspeed=zero2"],
+    "fp8_bf16wgrad_zero2": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16", "deepspeed=zero2"],
 }
+DEEPSPEED = "zero1"  # the GPU experiments' ZeRO stage (conf/exp/*: fp32 sums in DeepSpeed's BF16_Optimizer)
 NO_MTP = "_nomtp"
 RECOMPUTE = ("none", "full", "selective")  # model.recompute
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
@@ -101,8 +104,10 @@ def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
 def variant_overrides(spec: str, args) -> tuple[int, list[str]]:
     """(micro-batch, train.py overrides) of one variant."""
     base, no_mtp, micro, recompute = parse_variant(spec, args.micro, args.recompute)
-    return micro, [*VARIANTS[base], f"train.micro_batch_size={micro}", f"model.recompute={recompute}",
-                   *(["model.num_mtp_layers=0"] if no_mtp else [])]
+    rows = VARIANTS[base]
+    named = any(o.startswith("deepspeed=") for o in [*rows, *shlex.split(args.extra)])  # Hydra takes one per group
+    return micro, [*([] if named else [f"deepspeed={args.deepspeed}"]), *rows, f"train.micro_batch_size={micro}",
+                   f"model.recompute={recompute}", *(["model.num_mtp_layers=0"] if no_mtp else [])]
 
 
 def _die_with_parent() -> None:
@@ -226,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE,
                     help="model.recompute of the variants without +RECOMPUTE")
     ap.add_argument("--extra", default="", help="more train.py overrides for every row")
+    ap.add_argument("--deepspeed", default=DEEPSPEED, help="the rows' deepspeed config group (a row or --extra that "
+                    "names one wins), default the GPU experiments' zero1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-micro", type=int, default=64, help="upper bound of the NAME@max search")
     args = ap.parse_args(argv)

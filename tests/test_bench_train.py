@@ -30,13 +30,17 @@ def test_variant_specs():
     assert bench.parse_variant("bf16_nomtp@4", 1, "full") == ("bf16", True, 4, "full")
     assert bench.parse_variant("fp8_nomtp+selective@max", 1) == ("fp8", True, None, "selective")
     assert bench.family("fp8_nomtp+full@4") == "fp8_nomtp" and bench.family("bf16") == "bf16"
-    args = type("Args", (), {"micro": 2, "recompute": "full"})()
+    args = type("Args", (), {"micro": 2, "recompute": "full", "deepspeed": "zero1", "extra": ""})()
     assert bench.variant_overrides("fp8_nomtp", args) == (
-        2, ["precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.recompute=full",
+        2, ["deepspeed=zero1", "precision=fp8", "optim=fp8_adamw", "train.micro_batch_size=2", "model.recompute=full",
             "model.num_mtp_layers=0"])
-    assert bench.variant_overrides("bf16+none@4", args)[1][2:4] == ["train.micro_batch_size=4", "model.recompute=none"]
-    micro, overrides = bench.variant_overrides("fp8_bf16wgrad_zero1@12", args)  # the ZeRO-1 grad path's rows
-    assert micro == 12 and "deepspeed=zero1" in overrides and "fp8.expert_wgrad=bf16" in overrides
+    assert bench.variant_overrides("bf16+none@4", args)[1][3:5] == ["train.micro_batch_size=4", "model.recompute=none"]
+    # a row (or --extra) that names the deepspeed group replaces --deepspeed's: Hydra refuses two values of a group
+    micro, overrides = bench.variant_overrides("fp8_bf16wgrad_zero2@12", args)  # the ZeRO-2 grad path's rows
+    assert micro == 12 and "fp8.expert_wgrad=bf16" in overrides
+    assert [o for o in overrides if o.startswith("deepspeed=")] == ["deepspeed=zero2"]
+    args.extra = "deepspeed=zero3 train.seed=2"
+    assert not any(o.startswith("deepspeed=") for o in bench.variant_overrides("bf16", args)[1])
     for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "fp8@maximum", "bf16_nomtp_nomtp", "fp8+half", "fp8+"):
         with pytest.raises(SystemExit, match="--variants"):
             bench.parse_variant(bad, 1)

@@ -33,6 +33,20 @@ def test_every_experiment_composes_and_builds_a_model_config(exp):
     assert cfg.train.steps > 0
 
 
+@pytest.mark.parametrize("exp", ["bf16", "bf16_mtp", "fp8", "fp8_mtp"])
+def test_gpu_experiments_accumulate_in_fp32_through_zero1(exp):
+    """The GPU experiments run ZeRO-1 with fp32 gradient accumulation: under bf16 that is DeepSpeed's BF16_Optimizer
+    with its fp32 sums all-reduced in fp32 (README "Gradient accumulation in fp32"; the faster grad path measured by
+    bench/bench_grad_path.py)."""
+    from ling.engine import deepspeed_config
+
+    cfg = compose_cfg([f"+exp={exp}"])
+    ds = deepspeed_config(cfg, use_bf16=True)
+    assert cfg.deepspeed.zero_stage == 1 and ds["zero_optimization"]["stage"] == 1
+    assert ds["data_types"]["grad_accum_dtype"] == "fp32" and ds["communication_data_type"] == "fp32"
+    assert ds["bf16"]["enabled"] and ds["bf16"]["immediate_grad_update"]
+
+
 def test_required_experiments_exist():
     assert {"tiny_cpu", "bf16", "bf16_mtp"} <= set(EXPERIMENTS)
 
