@@ -15,13 +15,13 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
   autograd           the stand-in backward alone, gradients dropped (the floor every variant pays)
   fp32_by_hand       autograd + a post-accumulate hook adding each bf16 gradient into an fp32 buffer, in place
                      (10 bytes per parameter: what a fused fp32 accumulation must move at least)
-  zero2              DeepSpeed ZeRO-2 with grad_accum_dtype fp32 (the project's `deepspeed=zero2` default)
+  zero2              DeepSpeed ZeRO-2 with grad_accum_dtype fp32 (`deepspeed=zero2`, the CPU default)
   zero2_bf16_accum   grad_accum_dtype = the model's dtype (DeepSpeed's own default; rounds the sum to bf16)
   zero2_no_contiguous, zero2_overlap, zero2_bucket_2e8
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
   zero2_fp32_comm    zero2 with communication_data_type=fp32 (exact data-parallel means; tests/test_grad_accum.py)
-  zero1              `deepspeed=zero1` (fp32 accumulation: DeepSpeed's BF16_Optimizer, fp32 sums in its hooks and
-                     one fp32 all-reduce at the boundary, ling/engine.py)
+  zero1              `deepspeed=zero1`, the GPU experiments' (fp32 accumulation: DeepSpeed's BF16_Optimizer, fp32
+                     sums in its hooks and one fp32 all-reduce at the boundary, ling/engine.py)
 The DeepSpeed config comes from the trainer's own `ling.engine.deepspeed_config`.
 Each variant runs in a fresh process (`--json` prints its row), so one variant's memory cannot leak into the next.
 Columns: ms per micro-batch backward (median), the same minus autograd's (the gradient path's own cost), ms per
