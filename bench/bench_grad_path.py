@@ -3,7 +3,7 @@ model's compute, beside the floor of an fp32 accumulation done by hand.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_grad_path.py [--model ling_mini_2_0_e64] [--grad-accum 8] [--steps 3]
         [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8,
-         zero2_fp32_comm,zero1]
+         zero2_fp32_comm,zero1,zero1_stock_hook]
     python3 bench/bench_grad_path.py --model tiny --device cpu --steps 1    # smoke test
 
 Every variant gets a fresh copy of the preset's parameters (LingForCausalLM, bf16 on CUDA and also on CPU, as
@@ -21,7 +21,8 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
   zero2_fp32_comm    zero2 with communication_data_type=fp32 (exact data-parallel means; tests/test_grad_accum.py)
   zero1              `deepspeed=zero1`, the GPU experiments' (fp32 accumulation: DeepSpeed's BF16_Optimizer, fp32
-                     sums in its hooks and one fp32 all-reduce at the boundary, ling/engine.py)
+                     sums in its hooks and one fp32 all-reduce at the boundary, with ling/engine.py's lean hook)
+  zero1_stock_hook   zero1 with DeepSpeed's own hook (an fp32 copy of each bf16 gradient before the add)
 The DeepSpeed config comes from the trainer's own `ling.engine.deepspeed_config`.
 Each variant runs in a fresh process (`--json` prints its row), so one variant's memory cannot leak into the next.
 Columns: ms per micro-batch backward (median), the same minus autograd's (the gradient path's own cost), ms per
@@ -61,7 +62,9 @@ VARIANTS: dict[str, dict | None] = {
     "zero2_bucket_2e8": {"zero_stage": 2, "grad_accum_dtype": "fp32", "zero_extra": {"reduce_bucket_size": int(2e8)}},
     "zero2_fp32_comm": {"zero_stage": 2, "grad_accum_dtype": "fp32", "extra": {"communication_data_type": "fp32"}},
     "zero1": {"zero_stage": 1, "grad_accum_dtype": "fp32"},
+    "zero1_stock_hook": {"zero_stage": 1, "grad_accum_dtype": "fp32"},  # built by plain deepspeed.initialize
 }
+STOCK = {"zero1_stock_hook"}  # variants without ling.engine's substitutions (DeepSpeed's own BF16_Optimizer hook)
 
 
 class NoOpOptimizer(torch.optim.Optimizer):
@@ -108,15 +111,19 @@ def run_variant(name: str, config: ModelConfig, args, device: torch.device) -> d
     engine = None
     main_grads: dict[torch.nn.Parameter, torch.Tensor] = {}
     if ds is not None:
-        import deepspeed
         from omegaconf import OmegaConf
 
-        from ling.engine import deepspeed_config
+        from ling.engine import deepspeed_config, initialize_engine
 
         cfg = OmegaConf.create({"train": {"micro_batch_size": 1, "grad_accum": args.grad_accum},
                                 "optim": {"grad_clip": 1.0}, "deepspeed": ds})
         conf = deepspeed_config(cfg, use_bf16=True)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=NoOpOptimizer(params), config=conf)
+        if name in STOCK:
+            import deepspeed
+
+            engine, *_ = deepspeed.initialize(model=model, optimizer=NoOpOptimizer(params), config=conf)
+        else:
+            engine, *_ = initialize_engine(model, NoOpOptimizer(params), conf)  # the trainer's engine and hooks
     elif name == "fp32_by_hand":
         for p in params:
             main_grads[p] = torch.zeros(p.shape, dtype=torch.float32, device=device)

@@ -295,6 +295,46 @@ def _expert_parallel_engine() -> type:
     return ExpertParallelEngine
 
 
+@functools.cache
+def _lean_bf16_optimizer() -> type:
+    """DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 accumulation) with a leaner gradient hook. DeepSpeed adds
+    each micro-batch's bf16 gradient into the fp32 one as `hp.add_(lp.grad.to(fp32))`: the cast writes an fp32
+    temporary and the add reads it again (18 bytes moved per parameter). A mixed-dtype in-place add reads the
+    bf16 gradient and converts it inside the kernel (10 bytes). Both add the same fp32 value (bf16 → fp32 is
+    exact), so the sums are bit-identical (tests/test_grad_accum.py)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    class LeanBF16Optimizer(BF16_Optimizer):
+        @torch.no_grad()
+        def _update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
+            if lp.grad is None or getattr(self, "autoep_folding_tp_group", None) is not None:
+                return super()._update_hp_grad(lp, group_idx, param_idx, clear_lp_grads)
+            hp_grad = self.fp32_groups_gradients[group_idx][param_idx]
+            hp_grad.add_(lp.grad.reshape(hp_grad.shape))
+            lp._hp_grad = hp_grad
+            self.fp32_groups_has_gradients[group_idx][param_idx] = True
+            if clear_lp_grads:
+                lp.grad.zero_()
+
+    return LeanBF16Optimizer
+
+
+def initialize_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any],
+                      lr_scheduler: Any = None, expert_parallel: bool = False) -> tuple:
+    """`deepspeed.initialize(model, optimizer, config, lr_scheduler)` with this project's two substitutions:
+    ZeRO-1's BF16_Optimizer with the lean gradient hook (`_lean_bf16_optimizer`) and, with `expert_parallel`,
+    the ExpertParallelEngine (`_expert_parallel_engine`). The trainer, the benchmarks and the tests build their
+    engines here, so that they all run the same gradient path. → deepspeed.initialize's tuple."""
+    import deepspeed
+    from deepspeed.runtime import engine as ds_engine
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(ds_engine, "BF16_Optimizer", _lean_bf16_optimizer()))
+        if expert_parallel:
+            stack.enter_context(mock.patch.object(deepspeed, "DeepSpeedEngine", _expert_parallel_engine()))
+        return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+
+
 def bf16_enabled(cfg: DictConfig, device: torch.device) -> bool:
     """`deepspeed.bf16`: auto (the default: bf16 weights and gradients on GPU, fp32 on CPU), true (bf16 on CPU
     too: slow, but it runs DeepSpeed's bf16 code paths, e.g. ZeRO-1's BF16_Optimizer, where CI can test them) or
@@ -337,10 +377,6 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    # under expert parallelism, deepspeed.initialize builds the ExpertParallelEngine (see there)
-    engine_class = (mock.patch.object(deepspeed, "DeepSpeedEngine", _expert_parallel_engine())
-                    if ep_group is not None else contextlib.nullcontext())
-    with engine_class:
-        engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                       config=ds_config)
+    engine, _, _, scheduler = initialize_engine(model, optimizer, ds_config, scheduler,
+                                                expert_parallel=ep_group is not None)
     return engine, scheduler

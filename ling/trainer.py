@@ -299,9 +299,11 @@ class Trainer:
     def _measure_optimizer_state(self) -> float:
         state, master = optimizer_state_bytes(self.engine.optimizer, self.model)
         self.optim_state_gib = (state + master) / 2**30
+        cls = type(self.engine.optimizer)  # DeepSpeed's wrapper, or ling.engine's subclass of it
+        ds_cls = next((c for c in cls.__mro__ if c.__module__.startswith("deepspeed")), cls)
         log.info("optimizer state on rank %d: %.3f GiB (moments and their scales %.3f + fp32 master weights %.3f; "
                  "DeepSpeed's %s)", self.rank, self.optim_state_gib, state / 2**30, master / 2**30,
-                 type(self.engine.optimizer).__name__)
+                 ds_cls.__name__ + ("" if ds_cls is cls else f" via {cls.__name__}"))
         return self.optim_state_gib
 
     def validate(self) -> dict[str, float]:

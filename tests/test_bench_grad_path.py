@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ["autograd", "fp32_by_hand", "zero2", "zero2_no_contiguous"]
+VARIANTS = ["autograd", "fp32_by_hand", "zero2", "zero2_no_contiguous", "zero1", "zero1_stock_hook"]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
