@@ -160,6 +160,15 @@ def _load_expert_shard(model, folder: Path) -> None:
             p.copy_(tensors[key])
 
 
+def optimizer_name(engine) -> str:
+    """The class name of the optimizer the engine wraps (e.g. "AdamW", "FP8AdamW"), under DeepSpeed's ZeRO or
+    bf16 wrappers (each keeps the one it wraps as `.optimizer`)."""
+    opt = engine.optimizer
+    while type(opt).__module__.startswith(("deepspeed", "ling.engine")) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return type(opt).__name__
+
+
 # ------------------------------------------------------------------------------------------------------- save
 def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_last: int) -> Path:
     """Save step `step` (every rank calls this); returns the checkpoint folder, verified on disk."""
@@ -182,7 +191,8 @@ def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_
     files = {k: v for part in _all_gather(mine) for k, v in part.items()}
     if rank == 0:
         manifest = {"format": MANIFEST_FORMAT, "tag": tag, "step": step, "world_size": world,
-                    "ep_size": layout["ep_size"], "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+                    "ep_size": layout["ep_size"], "optimizer": optimizer_name(engine),
+                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
         atomic_write(partial / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
         if final.exists():  # an older save of this step, e.g. by a run that was resumed from before it
             shutil.rmtree(final)
@@ -287,13 +297,17 @@ def newest_verified(ckpt_dir: Path, checksums: bool = True,
 # ------------------------------------------------------------------------------------------------------- load
 def load(engine, folder: Path) -> dict[str, Any]:
     """Load a verified checkpoint into the engine (model, optimizer, lr scheduler) and restore this rank's
-    RNG state; returns this rank's trainer state. A checkpoint of another moe.ep_size is re-partitioned for
-    this one (ling/reshard.py)."""
+    RNG state; returns this rank's trainer state. A checkpoint of another moe.ep_size, or of another optimizer
+    (AdamW ↔ FP8AdamW: a branch of a run in the other recipe, scripts/parity_branch.sh), is re-assembled per
+    parameter for this engine (ling/reshard.py): the same fp32 master weights, the moments in this optimizer's
+    format. The trainer state then says `converted_from` (the saved optimizer's name) for the log."""
     rank, _ = rank_world()
     manifest = _read_manifest(folder)
     saved_ep = manifest.get("ep_size", 1) if isinstance(manifest, dict) else 1
+    saved_opt = manifest.get("optimizer") if isinstance(manifest, dict) else None  # absent before 2026-12-01
     layout = expert_layout(engine)
-    if saved_ep != layout["ep_size"]:
+    converted = saved_opt is not None and saved_opt != optimizer_name(engine)
+    if saved_ep != layout["ep_size"] or converted:
         from ling.reshard import load_resharded
 
         load_resharded(engine, folder, saved_ep)
@@ -305,4 +319,6 @@ def load(engine, folder: Path) -> dict[str, Any]:
             _load_expert_shard(engine.module, folder)
     state = torch.load(folder / TRAINER_STATE.format(rank=rank), weights_only=False)
     _set_rng_state(state["rng"])
+    if converted:
+        state["converted_from"] = saved_opt
     return state

@@ -1,4 +1,8 @@
-"""Resume a ZeRO-1/2 checkpoint under another `moe.ep_size` (at the same world size).
+"""Resume a ZeRO-1/2 checkpoint under another `moe.ep_size` or another optimizer (at the same world size).
+
+Another optimizer: AdamW's fp32 moments ↔ FP8AdamW's block-scaled E4M3 ones (a branch of a BF16 + AdamW run
+trained on in FP8 + FP8AdamW, or back: scripts/parity_branch.sh). The same per-parameter path below reads the
+saved moments in fp32 and writes them in this optimizer's format.
 
 When the experts move between ranks, every flat optimizer partition changes: MoE parameter groups
 (partitioned over the expert-data-parallel groups) appear, disappear or change size, and the dense groups
@@ -182,8 +186,9 @@ def load_resharded(engine, folder: Path, saved_ep: int) -> None:
     zero, model = engine.optimizer, engine.module
     partitions = _flat_partitions(zero)
     if partitions is None:
-        raise ValueError(f"checkpoint {folder} was written with moe.ep_size={saved_ep}; loading it with moe.ep_size="
-                         f"{model.config.ep_size} re-partitions ZeRO-1/2 optimizer state, not this engine's")
+        raise ValueError(f"checkpoint {folder} (moe.ep_size={saved_ep}) needs re-assembling for this run (moe.ep_size="
+                         f"{model.config.ep_size}, or another optimizer), which works on ZeRO-1/2 optimizer state, "
+                         "not this engine's: use deepspeed=zero1 or zero2")
     _, world = rank_world()
     client = torch.load(folder / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
     model.load_state_dict(_module_state(folder, client["module"], saved_ep, model))

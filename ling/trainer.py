@@ -108,6 +108,10 @@ class Trainer:
         tc = self.tc = cfg.train
         self.rank, self.world = rank_world()
         self.total_steps = int(tc.steps)
+        # train.stop_at: this session's last step; the lr schedule still spans train.steps (a branch of a longer run)
+        self.last_step = self.total_steps if tc.get("stop_at") is None else int(tc.stop_at)
+        if not 1 <= self.last_step <= self.total_steps:
+            raise ValueError(f"train.stop_at={tc.stop_at}: expected a step in 1 … train.steps ({self.total_steps})")
         self.ckpt_dir = Path(tc.checkpoint_dir) if tc.get("checkpoint_dir") else run_dir / "checkpoints"
         resume_from = self._select_checkpoint()  # before the expensive builds: refusals come fast
 
@@ -139,6 +143,9 @@ class Trainer:
             self.loader.load_state_dict(state["loader"])
             self.guard.load_state_dict(state.get("guard", {}))
             self.monitor.load_state_dict(state.get("fp8_monitor", {}))  # layers switched to BF16 stay so
+            if self.start_step > self.last_step:
+                raise ValueError(f"train.stop_at={self.last_step}: the run resumes at step {self.start_step} (from "
+                                 f"{resume_from}), past it; give a later train.stop_at or an earlier checkpoint")
         if self.rank == 0:
             dropped = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
             if dropped:
@@ -162,7 +169,9 @@ class Trainer:
         log.info("model: %s; linears=%s; ranks=%d (moe.ep_size=%d); device=%s; run dir %s", self.counts,
                  self.model_config.precision, self.world, self.model_config.ep_size, self.device, run_dir)
         if resume_from is not None:
-            log.info("resumed from %s at step %d", resume_from, self.start_step)
+            log.info("resumed from %s at step %d%s", resume_from, self.start_step,
+                     f" (its {state['converted_from']} state converted for {checkpoint.optimizer_name(self.engine)})"
+                     if "converted_from" in state else "")
 
     # ------------------------------------------------------------------------------------------ resume
     def _select_checkpoint(self) -> Path | None:
@@ -214,27 +223,27 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:
-        tc, total = self.tc, self.total_steps
+        tc, last = self.tc, self.last_step  # last = train.steps, or train.stop_at
         metrics: dict[str, Any] = {}
         self.engine.train()
-        for step in range(self.start_step + 1, total + 1):
+        for step in range(self.start_step + 1, last + 1):
             with self.profiler.step(step):  # train.profile_step / profile_python_step only
                 metrics = self.train_step(step)
-            stopping = self.stop_requested and step < total
-            if _due(int(tc.eval_every), step, total) and not stopping:
+            stopping = self.stop_requested and step < last
+            if _due(int(tc.eval_every), step, last) and not stopping:
                 metrics.update(self.validate())
-            if step % int(tc.log_every) == 0 or step == total or metrics["skipped"] or stopping:
+            if step % int(tc.log_every) == 0 or step == last or metrics["skipped"] or stopping:
                 self.logger.log(step, metrics)
             if self.guard.exhausted:
                 self._summary(step, "non-finite steps")
                 raise NonFiniteStop(self._nonfinite_message(step))
             save_every = int(tc.save_every or 0)
-            if (save_every and step % save_every == 0) or (step == total and tc.save_final) or stopping:
+            if (save_every and step % save_every == 0) or (step == last and tc.save_final) or stopping:
                 self.save(step)
             if stopping:
                 self._summary(step, f"stopped by {self.signals.name}")
                 raise Preempted(self._preempted_message(step), self.signals.signum)
-        self._summary(total, "completed")
+        self._summary(last, "completed" if last == self.total_steps else "stopped at train.stop_at")
         return metrics
 
     def train_step(self, step: int) -> dict[str, Any]:

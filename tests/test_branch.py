@@ -1,0 +1,75 @@
+"""Branches of a run (scripts/parity_branch.sh): `train.resume=<another run's checkpoint>` in a fresh run dir
+continues that run's trajectory (weights, fp32 masters, moments, data position, RNG, lr schedule) in another recipe,
+and `train.stop_at` ends it early while the lr schedule still spans `train.steps`. Across optimizers (AdamW ↔
+FP8AdamW) the state goes through ling/reshard.py's per-parameter path: the fp32 master weights exactly, the
+moments in the new optimizer's format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_train_loop import run_train, same_losses
+
+BASE = ["train.steps=8", "train.eval_every=0"]
+FP8_ADAM = ["optim=fp8_adamw", "optim.min_fp8_numel=0"]
+
+
+@pytest.fixture(scope="module")
+def trunk(tmp_path_factory):
+    root = tmp_path_factory.mktemp("branch")
+    metrics, _ = run_train(root / "trunk", 1, [*BASE, "train.save_every=3", "train.keep_last=0"])
+    return root, metrics
+
+
+def branch(root, name: str, source: str, stop_at: int, extra: list[str]):
+    metrics, proc = run_train(root / name, 1, [*BASE, f"train.stop_at={stop_at}", f"train.resume={source}", *extra])
+    return metrics, (root / name / "train.log").read_text()
+
+
+def close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def test_a_branch_in_the_same_recipe_is_the_trunk_bit_for_bit_and_stops_at_stop_at(trunk):
+    root, full = trunk
+    metrics, log = branch(root, "same", str(root / "trunk" / "checkpoints" / "step00000003"), 6, [])
+    same_losses(metrics, full[3:6])  # steps 4-6: losses, grad norms and the lr of the 8-step schedule
+    assert "stopped at train.stop_at at step 6/8" in log
+    assert json.loads((root / "same" / "summary.json").read_text())["outcome"] == "stopped at train.stop_at"
+    assert sorted(p.name for p in (root / "same" / "checkpoints").glob("step*")) == ["step00000006"]
+
+
+def test_a_branch_into_fp8_adam_converts_the_moments(trunk):
+    """AdamW → FP8AdamW: step 4's forward uses step 3's weights, so its loss and gradient are the trunk's exactly;
+    from step 5 on the update differs by the E4M3 rounding of the moments (measured 1e-5 relative on the losses;
+    bound 1e-3)."""
+    root, full = trunk
+    metrics, log = branch(root, "adam8_from3", str(root / "trunk" / "checkpoints" / "step00000003"), 6, FP8_ADAM)
+    assert "(its AdamW state converted for FP8AdamW)" in log
+    assert (metrics[0]["loss"], metrics[0]["grad_norm"]) == (full[3]["loss"], full[3]["grad_norm"])
+    for got, want in zip(metrics[1:], full[4:6], strict=True):
+        assert got["lr"] == want["lr"] and got["loss"] != want["loss"]
+        assert close(got["loss"], want["loss"], 1e-3) and close(got["grad_norm"], want["grad_norm"], 1e-2), (got, want)
+    manifest = json.loads((root / "adam8_from3" / "checkpoints" / "step00000006" / "manifest.json").read_text())
+    assert manifest["optimizer"] == "FP8AdamW"
+    # ... and back: the FP8AdamW checkpoint branches into AdamW (moments dequantized) and into the FP8 linears
+    back, log = branch(root, "back", str(root / "adam8_from3" / "checkpoints" / "step00000006"), 7, [])
+    assert [m["step"] for m in back] == [7] and "(its FP8AdamW state converted for AdamW)" in log
+    fp8, log = branch(root, "fp8", str(root / "trunk" / "checkpoints" / "step00000003"), 4,
+                      ["precision=fp8", *FP8_ADAM])
+    assert close(fp8[0]["loss"], full[3]["loss"], 1e-2) and fp8[0]["loss"] != full[3]["loss"]  # FP8's forward
+
+
+def test_a_branch_from_past_stop_at_is_refused(trunk):
+    root, _ = trunk
+    _, proc = run_train(root / "late", 1, [*BASE, "train.stop_at=5", f"train.resume={root / 'trunk' / 'checkpoints'}"],
+                        expect_rc=None)  # its newest checkpoint: step 8
+    assert proc.returncode != 0 and "train.stop_at=5: the run resumes at step 8" in proc.stderr
+
+
+@pytest.mark.parametrize("stop_at", [0, 9])
+def test_stop_at_outside_the_schedule_is_refused_naming_the_key(tmp_path, stop_at):
+    _, proc = run_train(tmp_path / "run", 1, [*BASE, f"train.stop_at={stop_at}"], expect_rc=None)
+    assert proc.returncode != 0 and f"train.stop_at={stop_at}: expected a step in 1 … train.steps (8)" in proc.stderr
