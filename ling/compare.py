@@ -30,10 +30,12 @@ import numpy as np
 from omegaconf import OmegaConf
 
 # Config keys two runs of a comparison may differ in without a warning: what makes the FP8 / BF16 twin (the
-# precision recipe, the optimizer's moment format), the seed of a seed sweep, and bookkeeping.
+# precision recipe, the optimizer's moment format), the seed of a seed sweep, bookkeeping, and what makes a branch
+# of a trunk (scripts/parity_branch.sh: where it starts and stops, its checkpoints and validation cadence).
 EXPECTED_DIFFERENCES = ("run_name", "precision.", "fp8.", "optim.name", "optim.block_size", "optim.min_fp8_numel",
                         "optim.rounding", "train.seed", "data.seed", "logging.", "train.checkpoint_dir", "train.resume",
-                        "train.deterministic")
+                        "train.deterministic", "train.stop_at", "train.save_every", "train.save_final",
+                        "train.keep_last", "train.eval_every")
 HEALTH_KINDS = ("act", "grad", "gradT", "weight")
 HEALTH_STATS = ("underflow", "distortion")
 TARGET_REL_DIFF = 1e-3  # Ling 2.0 reports about 0.1 % between FP8 and BF16 loss
@@ -430,7 +432,7 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
     lines += [_row(p) for p in comp.pairs]
     if len(comp.pairs) > 1:
         m, a = comp.mean_rel, comp.mean_abs_rel
-        lines.append(_mean_row(f"**mean over {m['n']} seeds**", m, a))
+        lines.append(_mean_row(f"**mean over {m['n']} pairs**", m, a))
     lines += [_row(p).replace("| ", "| noise: ", 1) for p in comp.noise]
     if len(comp.noise) > 1:
         lines.append(_mean_row(f"**noise: mean over {len(comp.noise)} pairs**", comp.noise_rel,
@@ -464,7 +466,7 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
 def verdict(comp: Comparison) -> str:
     level = comp.mean_rel["mean"]
     parts = [f"mean relative {comp.pairs[0].key} difference over the window: {_pct(level)}"
-             + (f" (mean of {comp.mean_rel['n']} seeds)" if comp.mean_rel["n"] > 1 else "")]
+             + (f" (mean of {comp.mean_rel['n']} pairs)" if comp.mean_rel["n"] > 1 else "")]
     parts.append(f"{'within' if comp.within_target else 'NOT within'} the 0.1 % target")
     m = comp.mean_rel
     if math.isfinite(m["ci_low"]):
@@ -473,7 +475,7 @@ def verdict(comp: Comparison) -> str:
                      f"{'contains' if contains else 'excludes'} 0")
     if comp.noise_rel is not None and comp.noise_rel["n"] > 1 and m["n"] > 1:
         wider = m["std"] > comp.noise_rel["std"]
-        parts.append(f"spread across seeds (std) {_pct(m['std']).lstrip('+')} "
+        parts.append(f"spread across pairs (std) {_pct(m['std']).lstrip('+')} "
                      f"{'wider than' if wider else 'no wider than'} the noise pairs' "
                      f"{_pct(comp.noise_rel['std']).lstrip('+')}")
     if comp.noise_floor is None:

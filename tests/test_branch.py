@@ -73,3 +73,39 @@ def test_a_branch_from_past_stop_at_is_refused(trunk):
 def test_stop_at_outside_the_schedule_is_refused_naming_the_key(tmp_path, stop_at):
     _, proc = run_train(tmp_path / "run", 1, [*BASE, f"train.stop_at={stop_at}"], expect_rc=None)
     assert proc.returncode != 0 and f"train.stop_at={stop_at}: expected a step in 1 … train.steps (8)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_branch_protocol_script_on_the_tiny_model(tmp_path):
+    """scripts/parity_branch.sh for real on CPU (tiny model, synthetic data): a trunk of 8 steps with checkpoints
+    every 3, FP8 and nondeterministic-BF16 branches of 2 steps from steps 3 and 6, and the report of each branch
+    against the trunk's same steps. On CPU the BF16 branch is the trunk bit for bit (CPU kernels are
+    deterministic), so the noise pairs read exactly 0; the FP8 branches differ, by FP8's rounding over 2 steps (well
+    under 1 %). The trunk's checkpoints are deleted once its branches have run; a rerun trains nothing."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRUNK_STEPS": "8", "EVERY": "3", "LENGTH": "2", "OUT": str(tmp_path / "pb"), "JOBS": "2",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    extra = ["model=tiny", "data=synthetic", "data.kind=markov", "data.vocab_size=512", "train.device=cpu",
+             "train.seq_len=32", "train.micro_batch_size=2", "model.num_layers=2", "logging.wandb.mode=disabled",
+             "logging.progress_bar=false", "optim.warmup_steps=2"]
+    proc = subprocess.run(["bash", str(root / "scripts" / "parity_branch.sh"), *extra], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "pb"
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert [p["candidate"] for p in summary["pairs"]] == ["s1_fp8_from3", "s1_fp8_from6"]
+    assert [p["window"] for p in summary["pairs"]] == [[5, 5], [8, 8]]  # the second of each branch's 2 steps
+    assert all(0 < abs(p["mean_rel"]) < 1e-2 for p in summary["pairs"])
+    assert [p["mean_rel"] for p in summary["noise"]] == [0.0, 0.0]
+    trunk = [m["loss"] for m in (json.loads(line) for line in (out / "s1_trunk" / "metrics.jsonl").open())]
+    fp8 = [json.loads(line) for line in (out / "s1_fp8_from6" / "metrics.jsonl").open()]
+    assert [m["step"] for m in fp8] == [7, 8] and fp8[0]["loss"] != trunk[6]
+    assert not (out / "s1_trunk" / "checkpoints").exists()
+    again = subprocess.run(["bash", str(root / "scripts" / "parity_branch.sh"), *extra], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and "===" not in again.stdout  # every run finished: nothing trains again

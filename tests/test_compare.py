@@ -136,7 +136,7 @@ def test_seeds_and_noise_floor(tmp_path):
     half = 4.302653 * 0.0002 / np.sqrt(3)
     assert (comp.mean_rel["ci_low"], comp.mean_rel["ci_high"]) == pytest.approx((0.0006 - half, 0.0006 + half))
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "mean over 3 seeds" in report and "noise: s1_bf16_rerun vs s1_bf16" in report
+    assert "mean over 3 pairs" in report and "noise: s1_bf16_rerun vs s1_bf16" in report
     assert f"95 % interval of the mean [{100 * (0.0006 - half):+.3f} %, {100 * (0.0006 + half):+.3f} %] excludes 0" \
         in report
     assert "within the BF16-vs-BF16 noise floor" in report
