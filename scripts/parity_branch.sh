@@ -10,11 +10,15 @@
 # the trunk bit for bit, so each FP8 branch is compared with the trunk's own steps c+1 … c+LENGTH: FP8's effect
 # accumulated over LENGTH steps from identical states. For the seeds of NOISE_SEEDS (default: the first seed), a
 # nondeterministic BF16 branch beside each FP8 one gives the same comparison for kernel nondeterminism alone.
+# ABLATIONS (default none) adds, per entry, an FP8 branch with that component in high precision beside each FP8 one
+# (entries as in scripts/ablate.sh: fp8.ablate components, comma-joined, or one Hydra override with '='); each gets
+# its report in $OUT/report_no-<entry>/.
 # The held-out loss is measured every gcd(EVERY, LENGTH) steps in the trunk and the branches, so at every branch's
 # last step in both.
 #
 #   bash scripts/parity_branch.sh                                # seed 1, branches from 250, 500, 750 of 100 steps
 #   SEEDS="1 2 3" EVERY=100 LENGTH=50 JOBS=8 bash scripts/parity_branch.sh logging.wandb.mode=disabled
+#   ABLATIONS="emulated fwd_x experts adam_v" bash scripts/parity_branch.sh     # which component moves the loss
 #
 # Reports (eval.py compare, one pair per branch against its trunk): $OUT/report/ (training loss, the mean over each
 # branch's last WINDOW fraction of steps, default 0.5) and $OUT/report_val/ (the held-out loss at each branch's end:
@@ -35,6 +39,7 @@ PY=${PYTHON:-python}
 LAUNCH=${LAUNCH:-$PY}
 JOBS=${JOBS:-4}
 KEEP_TRUNK_CHECKPOINTS=${KEEP_TRUNK_CHECKPOINTS:-0}
+ABLATIONS=${ABLATIONS-""}
 if [ $((LENGTH)) -le 0 ] || [ $((EVERY)) -le 0 ] || [ $((EVERY + LENGTH)) -gt $((TRUNK_STEPS)) ]; then
   echo "parity_branch.sh: need 0 < LENGTH, 0 < EVERY and EVERY + LENGTH <= TRUNK_STEPS (got EVERY=$EVERY" \
        "LENGTH=$LENGTH TRUNK_STEPS=$TRUNK_STEPS)" >&2
@@ -62,8 +67,13 @@ branch() {  # branch NAME EXP SEED FROM [overrides]: LENGTH steps from the trunk
     "train.save_final=false" "run_name=parity-$name" "hydra.run.dir=$dir" "$@" > "$OUT/$name.log" 2>&1 &
 }
 
+variant() {  # the run-name suffix and the override of an ABLATIONS entry (as scripts/parity.sh)
+  if [[ $1 == *=* ]]; then local s=${1//=/-}; echo "${s//[^A-Za-z0-9_.-]/_} $1"; else echo "${1//,/+} fp8.ablate=[$1]"; fi
+}
+
 pairs=()
 noise=()
+declare -A ablated=()
 for seed in $SEEDS; do
   trunk="$OUT/s${seed}_trunk"
   if ! finished "$trunk" "$TRUNK_STEPS"; then
@@ -75,6 +85,11 @@ for seed in $SEEDS; do
   for ((from = EVERY; from + LENGTH <= TRUNK_STEPS; from += EVERY)); do
     branch "s${seed}_fp8_from${from}" parity_fp8 "$seed" "$from" train.deterministic=true "$@"
     pairs+=("$OUT/s${seed}_fp8_from${from}:$trunk")
+    for entry in $ABLATIONS; do
+      read -r suffix override <<< "$(variant "$entry")"
+      branch "s${seed}_fp8-no-${suffix}_from${from}" parity_fp8 "$seed" "$from" train.deterministic=true "$override" "$@"
+      ablated[$suffix]+=" $OUT/s${seed}_fp8-no-${suffix}_from${from}:$trunk"
+    done
     if [[ " $NOISE_SEEDS " == *" $seed "* ]]; then
       branch "s${seed}_bf16nd_from${from}" parity_bf16 "$seed" "$from" train.deterministic=false "$@"
       noise+=("$OUT/s${seed}_bf16nd_from${from}:$trunk")
@@ -85,6 +100,12 @@ for seed in $SEEDS; do
   if [ "$KEEP_TRUNK_CHECKPOINTS" != 1 ]; then rm -rf "$trunk/checkpoints"; fi
 done
 $PY eval.py compare --window "$WINDOW" --pairs "${pairs[@]}" ${noise[@]+--noise "${noise[@]}"} --out "$OUT/report"
+for entry in $ABLATIONS; do
+  read -r suffix _ <<< "$(variant "$entry")"
+  # shellcheck disable=SC2086  # the pairs are space-separated words
+  $PY eval.py compare --window "$WINDOW" --pairs ${ablated[$suffix]} ${noise[@]+--noise "${noise[@]}"} \
+    --out "$OUT/report_no-${suffix}"
+done
 if grep -q '"val_loss"' "$OUT/s${SEEDS%% *}_trunk/metrics.jsonl" 2>/dev/null; then  # data=synthetic has none
   $PY eval.py compare --key val_loss --window 0.01 --pairs "${pairs[@]}" ${noise[@]+--noise "${noise[@]}"} \
     --out "$OUT/report_val"

@@ -109,3 +109,32 @@ def test_the_branch_protocol_script_on_the_tiny_model(tmp_path):
     again = subprocess.run(["bash", str(root / "scripts" / "parity_branch.sh"), *extra], cwd=root, env=env,
                            capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "===" not in again.stdout  # every run finished: nothing trains again
+
+
+def test_the_branch_script_runs_each_ablation_beside_each_fp8_branch(tmp_path):
+    """A dry run (PYTHON=echo prints every command instead of running it): per checkpoint of the trunk, the FP8
+    branch, one branch per ABLATIONS entry and the noise branch, each into its own log; one report per entry."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "TRUNK_STEPS": "10", "EVERY": "4",
+           "LENGTH": "2", "OUT": str(tmp_path), "ABLATIONS": "fwd_x adam_v,fwd_w optim.rounding=nearest"}
+    out = subprocess.run(["bash", str(root / "scripts" / "parity_branch.sh"), "train.device=cuda"], env=env,
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    logs = sorted(p.name for p in tmp_path.glob("*.log"))
+    assert len(logs) == 2 * (1 + 2 * (1 + 3)) + 2  # per seed: trunk; per checkpoint (4, 8): fp8 + 3 ablations; noise
+    assert "s1_bf16nd_from4.log" in logs and "s2_bf16nd_from4.log" not in logs  # noise: the first seed only
+    ablated = (tmp_path / "s2_fp8-no-adam_v+fwd_w_from8.log").read_text()
+    assert ablated.startswith("train.py +exp=parity_fp8 train.seed=2 train.steps=10 train.stop_at=10 "
+                              f"train.resume={tmp_path}/s2_trunk/checkpoints/step00000008 train.eval_every=2 ")
+    assert ablated.rstrip().endswith("train.deterministic=true fp8.ablate=[adam_v,fwd_w] train.device=cuda")
+    trunk = (tmp_path / "s1_trunk.log").read_text()
+    assert "train.save_every=4 train.keep_last=0 train.eval_every=2" in trunk
+    compares = [line for line in out.splitlines() if line.startswith("eval.py compare")]
+    assert len(compares) == 1 + 3  # the recipe, one per ablation (no held-out report: a dry run logs no val_loss)
+    assert (f"eval.py compare --window 0.5 --pairs {tmp_path}/s1_fp8-no-fwd_x_from4:{tmp_path}/s1_trunk "
+            f"{tmp_path}/s1_fp8-no-fwd_x_from8:{tmp_path}/s1_trunk {tmp_path}/s2_fp8-no-fwd_x_from4:{tmp_path}/s2_trunk "
+            f"{tmp_path}/s2_fp8-no-fwd_x_from8:{tmp_path}/s2_trunk --noise {tmp_path}/s1_bf16nd_from4:{tmp_path}/s1_trunk "
+            f"{tmp_path}/s1_bf16nd_from8:{tmp_path}/s1_trunk --out {tmp_path}/report_no-fwd_x") in compares
+    assert any("report_no-optim.rounding-nearest" in c for c in compares)
