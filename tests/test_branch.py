@@ -133,8 +133,9 @@ def test_the_branch_script_runs_each_ablation_beside_each_fp8_branch(tmp_path):
     assert "train.save_every=4 train.keep_last=0 train.eval_every=2" in trunk
     compares = [line for line in out.splitlines() if line.startswith("eval.py compare")]
     assert len(compares) == 1 + 3  # the recipe, one per ablation (no held-out report: a dry run logs no val_loss)
-    assert (f"eval.py compare --window 0.5 --pairs {tmp_path}/s1_fp8-no-fwd_x_from4:{tmp_path}/s1_trunk "
-            f"{tmp_path}/s1_fp8-no-fwd_x_from8:{tmp_path}/s1_trunk {tmp_path}/s2_fp8-no-fwd_x_from4:{tmp_path}/s2_trunk "
-            f"{tmp_path}/s2_fp8-no-fwd_x_from8:{tmp_path}/s2_trunk --noise {tmp_path}/s1_bf16nd_from4:{tmp_path}/s1_trunk "
-            f"{tmp_path}/s1_bf16nd_from8:{tmp_path}/s1_trunk --out {tmp_path}/report_no-fwd_x") in compares
+    t = tmp_path
+    assert (f"eval.py compare --window 0.5 --pairs {t}/s1_fp8-no-fwd_x_from4:{t}/s1_trunk "
+            f"{t}/s1_fp8-no-fwd_x_from8:{t}/s1_trunk {t}/s2_fp8-no-fwd_x_from4:{t}/s2_trunk "
+            f"{t}/s2_fp8-no-fwd_x_from8:{t}/s2_trunk --noise {t}/s1_bf16nd_from4:{t}/s1_trunk "
+            f"{t}/s1_bf16nd_from8:{t}/s1_trunk --out {t}/report_no-fwd_x") in compares
     assert any("report_no-optim.rounding-nearest" in c for c in compares)
