@@ -51,7 +51,8 @@ def zero_file(folder: Path, rank: int) -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"{folder}: no ZeRO optimizer file of rank {rank} ({plain.name} or bf16_{plain.name}); "
-                            "re-partitioning for another moe.ep_size needs the ZeRO-1/2 files of every rank")
+                            "re-assembling a checkpoint for another moe.ep_size or optimizer needs the ZeRO-1/2 "
+                            "files of every rank")
 
 
 @dataclass
@@ -181,8 +182,8 @@ def _flat_partitions(zero) -> list[tuple[torch.Tensor, list[torch.nn.Parameter]]
 @torch.no_grad()
 def load_resharded(engine, folder: Path, saved_ep: int) -> None:
     """Load checkpoint `folder`, written with moe.ep_size=`saved_ep` by as many ranks as this run has, into
-    `engine` (ZeRO-1/2, another moe.ep_size): module, fp32 master weights, optimizer moments, lr scheduler
-    and step counters. Every rank calls it."""
+    `engine` (ZeRO-1/2; another moe.ep_size and/or another optimizer): module, fp32 master weights, optimizer
+    moments (in this engine's optimizer's format), lr scheduler and step counters. Every rank calls it."""
     zero, model = engine.optimizer, engine.module
     partitions = _flat_partitions(zero)
     if partitions is None:
