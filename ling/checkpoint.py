@@ -160,10 +160,12 @@ def _load_expert_shard(model, folder: Path) -> None:
             p.copy_(tensors[key])
 
 
-def optimizer_name(engine) -> str:
+def optimizer_name(engine) -> str | None:
     """The class name of the optimizer the engine wraps (e.g. "AdamW", "FP8AdamW"), under DeepSpeed's ZeRO or
-    bf16 wrappers (each keeps the one it wraps as `.optimizer`)."""
-    opt = engine.optimizer
+    bf16 wrappers (each keeps the one it wraps as `.optimizer`); None for an engine without one."""
+    opt = getattr(engine, "optimizer", None)
+    if opt is None:
+        return None
     while type(opt).__module__.startswith(("deepspeed", "ling.engine")) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
     return type(opt).__name__
