@@ -114,6 +114,10 @@ class Trainer:
             raise ValueError(f"train.stop_at={tc.stop_at}: expected a step in 1 … train.steps ({self.total_steps})")
         self.ckpt_dir = Path(tc.checkpoint_dir) if tc.get("checkpoint_dir") else run_dir / "checkpoints"
         resume_from = self._select_checkpoint()  # before the expensive builds: refusals come fast
+        resumes_at = checkpoint.step_of(resume_from.name) if resume_from is not None else None
+        if resumes_at is not None and resumes_at > self.last_step:
+            raise ValueError(f"train.stop_at={self.last_step}: the run resumes at step {resumes_at} (from "
+                             f"{resume_from}), past it; give a later train.stop_at or an earlier checkpoint")
 
         seed = int(tc.seed)
         random.seed(seed)
@@ -143,9 +147,6 @@ class Trainer:
             self.loader.load_state_dict(state["loader"])
             self.guard.load_state_dict(state.get("guard", {}))
             self.monitor.load_state_dict(state.get("fp8_monitor", {}))  # layers switched to BF16 stay so
-            if self.start_step > self.last_step:
-                raise ValueError(f"train.stop_at={self.last_step}: the run resumes at step {self.start_step} (from "
-                                 f"{resume_from}), past it; give a later train.stop_at or an earlier checkpoint")
         if self.rank == 0:
             dropped = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
             if dropped:
