@@ -63,9 +63,7 @@ run() {  # run NAME EXP SEED [overrides]: in the foreground (JOBS=1) or as one o
   train_and_eval "$@" > "$OUT/$1.log" 2>&1 &
 }
 
-variant() {  # the run-name suffix and the override of an ABLATIONS entry
-  if [[ $1 == *=* ]]; then local s=${1//=/-}; echo "${s//[^A-Za-z0-9_.-]/_} $1"; else echo "${1//,/+} fp8.ablate=[$1]"; fi
-}
+source scripts/ablation_entry.sh  # variant ENTRY → the run-name suffix and the override of an ABLATIONS entry
 
 pairs=()
 noise=()

@@ -67,9 +67,7 @@ branch() {  # branch NAME EXP SEED FROM [overrides]: LENGTH steps from the trunk
     "train.save_final=false" "run_name=parity-$name" "hydra.run.dir=$dir" "$@" > "$OUT/$name.log" 2>&1 &
 }
 
-variant() {  # the run-name suffix and the override of an ABLATIONS entry (as scripts/parity.sh)
-  if [[ $1 == *=* ]]; then local s=${1//=/-}; echo "${s//[^A-Za-z0-9_.-]/_} $1"; else echo "${1//,/+} fp8.ablate=[$1]"; fi
-}
+source scripts/ablation_entry.sh  # variant ENTRY → the run-name suffix and the override of an ABLATIONS entry
 
 pairs=()
 noise=()
