@@ -240,6 +240,14 @@ def _read_manifest(folder: Path) -> dict[str, Any] | str:
         return f"manifest.json is unreadable ({e})"
 
 
+def saved_step(folder: Path) -> int:
+    """The optimizer step a verified checkpoint folder holds (its manifest's)."""
+    manifest = _read_manifest(folder)
+    if isinstance(manifest, str):
+        raise ValueError(f"checkpoint {folder}: {manifest}")
+    return int(manifest["step"])
+
+
 def _check_file(folder: Path, name: str, want: dict[str, Any], checksums: bool) -> str | None:
     path = folder / name
     if not path.is_file():

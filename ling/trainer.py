@@ -114,7 +114,7 @@ class Trainer:
             raise ValueError(f"train.stop_at={tc.stop_at}: expected a step in 1 … train.steps ({self.total_steps})")
         self.ckpt_dir = Path(tc.checkpoint_dir) if tc.get("checkpoint_dir") else run_dir / "checkpoints"
         resume_from = self._select_checkpoint()  # before the expensive builds: refusals come fast
-        resumes_at = checkpoint.step_of(resume_from.name) if resume_from is not None else None
+        resumes_at = checkpoint.saved_step(resume_from) if resume_from is not None else None
         if resumes_at is not None and resumes_at > self.last_step:
             raise ValueError(f"train.stop_at={self.last_step}: the run resumes at step {resumes_at} (from "
                              f"{resume_from}), past it; give a later train.stop_at or an earlier checkpoint")
