@@ -54,7 +54,7 @@ step with a message saying so. DeepSpeed's default (`elastic_checkpoint: false`)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,23 +221,32 @@ def moment_slice(state: dict[str, Any], key: str, start: int, numel: int, block_
     if "exp_avg_sq" in state:  # fp32-moment tensor
         return state[key][start : start + numel].float()
     bits, scale = ("exp_avg", "exp_avg_scale") if key == "exp_avg" else ("exp_avg_sq_root", "exp_avg_sq_root_scale")
-    b0, b1 = start // block_size, cdiv(start + numel, block_size)
-    x = dequantize_blockwise_reference(state[bits][b0 * block_size : b1 * block_size], state[scale][b0:b1], block_size)
-    x = x[start - b0 * block_size :][:numel]
+    if scale not in state:  # this moment kept in fp32 (`fp32_moments`, the ablation): m or sqrt(v) per element
+        x = state[bits][start : start + numel].float()
+    else:
+        b0, b1 = start // block_size, cdiv(start + numel, block_size)
+        x = dequantize_blockwise_reference(state[bits][b0 * block_size : b1 * block_size], state[scale][b0:b1],
+                                           block_size)
+        x = x[start - b0 * block_size :][:numel]
     return x * x if key == "exp_avg_sq" else x
 
 
 def state_from_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float, block_size: int,
-                       min_fp8_numel: int) -> dict[str, Any]:  # fmt: skip
+                       min_fp8_numel: int, fp32_moments: Collection[str] = ()) -> dict[str, Any]:  # fmt: skip
     """The FP8AdamW state of a flat fp32 tensor whose moments are m = exp_avg and v = exp_avg_sq (fp32 [n])
-    after `step` updates: E4M3 blocks of m and sqrt(v) as a step writes them (or fp32 moments when
-    n < min_fp8_numel). Used to re-partition a checkpoint (ling/reshard.py)."""
+    after `step` updates, as a step of an FP8AdamW with these `fp32_moments` writes it: E4M3 blocks of m and
+    sqrt(v), or per-element fp32 m / sqrt(v) for the moments named in `fp32_moments` (the ablation), or fp32
+    moments when n < min_fp8_numel. Used to re-partition a checkpoint (ling/reshard.py)."""
     state: dict[str, Any] = {"step": torch.tensor(float(step), dtype=torch.float32)}
     if exp_avg.numel() < min_fp8_numel:
         return {**state, "exp_avg": exp_avg.float().clone(), "exp_avg_sq": exp_avg_sq.float().clone()}
-    mq, ms = quantize_blockwise_reference(exp_avg, block_size)
-    rq, rs = quantize_blockwise_reference(exp_avg_sq.float().sqrt(), block_size, floor_nonzero=True)
-    return {**state, "exp_avg": mq, "exp_avg_scale": ms, "exp_avg_sq_root": rq, "exp_avg_sq_root_scale": rs}
+    for key, x, floor_nonzero, moment in (("exp_avg", exp_avg.float(), False, "exp_avg"),
+                                          ("exp_avg_sq_root", exp_avg_sq.float().sqrt(), True, "exp_avg_sq")):
+        if moment in fp32_moments:
+            state[key] = x.clone()
+        else:
+            state[key], state[_SCALE_KEY[key]] = quantize_blockwise_reference(x, block_size, floor_nonzero)
+    return state
 
 
 def _load_moment(q: torch.Tensor, scale: torch.Tensor | None, block_size: int) -> torch.Tensor:
@@ -627,7 +636,28 @@ class FP8AdamW(torch.optim.Optimizer):
                 if v.dtype != torch.uint8:  # e.g. a state dict that went through torch's cast before
                     v = v.to(torch.uint8)
                 self.state[p][k] = v.to(device=p.device, copy=True)
+        self._match_fp32_moments()
         self._plans.clear()
+
+    def _match_fp32_moments(self) -> None:
+        """Give every loaded moment this optimizer's layout: a state saved with another `fp32_moments` (e.g. an
+        FP8AdamW checkpoint resumed with `fp8.ablate=[adam_v]`, or back) has that moment converted, E4M3 blocks
+        dequantized to per-element fp32 or fp32 quantized (nearest) to E4M3 blocks; otherwise the ablation would
+        silently not apply to a resumed run. Tensors below min_fp8_numel (fp32 `exp_avg_sq`) are left alone."""
+        for group in self.param_groups:
+            bs = int(group["block_size"])
+            for p in group["params"]:
+                st = self.state.get(p, {})
+                if "exp_avg_sq_root" not in st:
+                    continue
+                for key, moment in (("exp_avg", "exp_avg"), ("exp_avg_sq_root", "exp_avg_sq")):
+                    scale_key = _SCALE_KEY[key]
+                    is_fp32, want_fp32 = scale_key not in st, moment in self.fp32_moments
+                    if is_fp32 and not want_fp32:
+                        st[key], st[scale_key] = quantize_blockwise_reference(
+                            st[key].float().reshape(-1), bs, floor_nonzero=key == "exp_avg_sq_root")
+                    elif want_fp32 and not is_fp32:
+                        st[key] = dequantize_blockwise_reference(st[key], st.pop(scale_key), bs)
 
     # -- step ------------------------------------------------------------------------------------------
 

@@ -136,7 +136,8 @@ def _new_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], m: torch
     from fp8.adam import FP8AdamW, state_from_moments
 
     if isinstance(optimizer, FP8AdamW):
-        return state_from_moments(m, v, step, int(group["block_size"]), int(group["min_fp8_numel"]))
+        return state_from_moments(m, v, step, int(group["block_size"]), int(group["min_fp8_numel"]),
+                                  optimizer.fp32_moments)  # an ablated moment (fp8.ablate adam_m / adam_v) in fp32
     if isinstance(optimizer, torch.optim.AdamW):
         return {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
     raise TypeError(f"re-partitioning a checkpoint supports AdamW and FP8AdamW, not {type(optimizer).__name__}")

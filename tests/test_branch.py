@@ -9,23 +9,35 @@ from __future__ import annotations
 import json
 
 import pytest
+from hydra import compose, initialize_config_dir
 
-from tests.test_train_loop import run_train, same_losses
+from tests.test_config import CONF
+from tests.test_train_loop import COMMON, metrics_of, same_losses
 
 BASE = ["train.steps=8", "train.eval_every=0"]
 FP8_ADAM = ["optim=fp8_adamw", "optim.min_fp8_numel=0"]
 
 
+def train_here(run_dir, overrides: list[str]):
+    """One in-process run of the trainer (the torchrun launch has its own tests; a process start costs ~5 s here);
+    returns its metrics lines and its train.log."""
+    import ling.trainer as trainer
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*COMMON, *BASE, *overrides])
+    trainer.train(cfg, run_dir=run_dir)
+    return metrics_of(run_dir), (run_dir / "train.log").read_text()
+
+
 @pytest.fixture(scope="module")
 def trunk(tmp_path_factory):
     root = tmp_path_factory.mktemp("branch")
-    metrics, _ = run_train(root / "trunk", 1, [*BASE, "train.save_every=3", "train.keep_last=0"])
+    metrics, _ = train_here(root / "trunk", ["train.save_every=3", "train.keep_last=0"])
     return root, metrics
 
 
 def branch(root, name: str, source: str, stop_at: int, extra: list[str]):
-    metrics, proc = run_train(root / name, 1, [*BASE, f"train.stop_at={stop_at}", f"train.resume={source}", *extra])
-    return metrics, (root / name / "train.log").read_text()
+    return train_here(root / name, [f"train.stop_at={stop_at}", f"train.resume={source}", *extra])
 
 
 def close(a: float, b: float, rel: float) -> bool:
@@ -62,17 +74,29 @@ def test_a_branch_into_fp8_adam_converts_the_moments(trunk):
     assert close(fp8[0]["loss"], full[3]["loss"], 1e-2) and fp8[0]["loss"] != full[3]["loss"]  # FP8's forward
 
 
+def test_a_branch_into_fp8_adam_with_an_ablated_moment_keeps_it_in_fp32(trunk):
+    """fp8.ablate=[adam_v] on a branch of an AdamW run: the converted state keeps v in fp32, so from step 5 on the
+    branch differs from the recipe's branch (before the fix both were E4M3 and the runs bit-identical: the
+    ablation did nothing, as the H200 branch ablation showed)."""
+    root, full = trunk
+    source = str(root / "trunk" / "checkpoints" / "step00000003")
+    recipe, _ = branch(root, "adam8_recipe", source, 5, FP8_ADAM)
+    ablated, log = branch(root, "adam8_no_v", source, 5, [*FP8_ADAM, "fp8.ablate=[adam_v]"])
+    assert "(its AdamW state converted for FP8AdamW)" in log
+    assert ablated[0]["loss"] == recipe[0]["loss"] == full[3]["loss"]  # step 4: step 3's weights
+    assert ablated[1]["loss"] != recipe[1]["loss"] and close(ablated[1]["loss"], recipe[1]["loss"], 1e-3)
+
+
 def test_a_branch_from_past_stop_at_is_refused(trunk):
     root, _ = trunk
-    _, proc = run_train(root / "late", 1, [*BASE, "train.stop_at=5", f"train.resume={root / 'trunk' / 'checkpoints'}"],
-                        expect_rc=None)  # its newest checkpoint: step 8
-    assert proc.returncode != 0 and "train.stop_at=5: the run resumes at step 8" in proc.stderr
+    with pytest.raises(ValueError, match="train.stop_at=5: the run resumes at step 8"):  # its newest checkpoint
+        train_here(root / "late", ["train.stop_at=5", f"train.resume={root / 'trunk' / 'checkpoints'}"])
 
 
 @pytest.mark.parametrize("stop_at", [0, 9])
 def test_stop_at_outside_the_schedule_is_refused_naming_the_key(tmp_path, stop_at):
-    _, proc = run_train(tmp_path / "run", 1, [*BASE, f"train.stop_at={stop_at}"], expect_rc=None)
-    assert proc.returncode != 0 and f"train.stop_at={stop_at}: expected a step in 1 … train.steps (8)" in proc.stderr
+    with pytest.raises(ValueError, match=f"train.stop_at={stop_at}: expected a step in 1 … train.steps \\(8\\)"):
+        train_here(tmp_path / "run", [f"train.stop_at={stop_at}"])
 
 
 @pytest.mark.slow

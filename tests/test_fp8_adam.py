@@ -655,3 +655,68 @@ def test_state_from_moments_and_moment_slice_move_moments_between_partitions():
         assert torch.equal(moment_slice(st, "exp_avg_sq", start, numel, bs), (r_all * r_all)[start:start + numel])
     small = state_from_moments(m, v, 5, bs, min_fp8_numel=n + 1)
     assert torch.equal(small["exp_avg"], m) and torch.equal(moment_slice(small, "exp_avg_sq", 130, 300, bs), v[130:430])
+
+
+@pytest.mark.parametrize("fp32", [("exp_avg",), ("exp_avg_sq",), ("exp_avg", "exp_avg_sq")])
+def test_state_from_moments_keeps_an_ablated_moment_in_fp32_and_slices_it(fp32):
+    """Re-partitioning into an FP8AdamW with `fp32_moments` (a branch of an AdamW run with fp8.ablate=[adam_v]):
+    the ablated moment is stored per element in fp32, m as is and sqrt(v) as sqrt(v) exactly, the other in E4M3
+    blocks; moment_slice reads both kinds back. (Before the fix every moment came back in E4M3: the ablation
+    silently did nothing on the branch.)"""
+    gen = torch.Generator().manual_seed(11)
+    n, bs = 700, 128
+    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6
+    st = state_from_moments(m, v, 3, bs, min_fp8_numel=16, fp32_moments=fp32)
+    for key, moment, want in (("exp_avg", "exp_avg", m), ("exp_avg_sq_root", "exp_avg_sq", v.sqrt())):
+        scale_key = key + "_scale"
+        if moment in fp32:
+            assert st[key].dtype == torch.float32 and scale_key not in st and torch.equal(st[key], want)
+        else:
+            assert st[key].dtype == torch.uint8 and st[scale_key].shape == (6,)
+    m_all = moment_slice(st, "exp_avg", 0, n, bs)
+    v_all = moment_slice(st, "exp_avg_sq", 0, n, bs)
+    if "exp_avg" in fp32:
+        assert torch.equal(m_all, m)
+    if "exp_avg_sq" in fp32:
+        assert torch.equal(v_all, v.sqrt() * v.sqrt())
+    for start, numel in [(0, 1), (127, 2), (130, 300), (699, 1)]:
+        assert torch.equal(moment_slice(st, "exp_avg", start, numel, bs), m_all[start:start + numel])
+        assert torch.equal(moment_slice(st, "exp_avg_sq", start, numel, bs), v_all[start:start + numel])
+
+
+def test_a_state_saved_with_other_fp32_moments_loads_in_this_optimizers_layout():
+    """An FP8AdamW checkpoint resumed with fp8.ablate=[adam_v] (or an ablated one resumed without): the loaded
+    moment takes the configured layout, dequantized exactly from its E4M3 blocks to fp32, or quantized (nearest)
+    from fp32; the step then runs on it. (Before the fix the saved layout stayed and the ablation did nothing.)"""
+    torch.manual_seed(12)
+    w0 = torch.randn(1000)
+
+    def trained(fp32_moments):
+        w = torch.nn.Parameter(w0.clone())
+        opt = FP8AdamW([w], lr=1e-2, min_fp8_numel=0, fp32_moments=fp32_moments)
+        for _ in range(3):
+            w.grad = torch.randn(1000)
+            opt.step()
+        return opt, opt.state[w]
+
+    plain, st = trained(())
+    into = FP8AdamW([torch.nn.Parameter(w0.clone())], lr=1e-2, min_fp8_numel=0, fp32_moments=("exp_avg_sq",))
+    into.load_state_dict(copy.deepcopy(plain.state_dict()))
+    got = into.state[into.param_groups[0]["params"][0]]
+    assert got["exp_avg_sq_root"].dtype == torch.float32 and "exp_avg_sq_root_scale" not in got
+    assert torch.equal(got["exp_avg_sq_root"],
+                       dequantize_blockwise_reference(st["exp_avg_sq_root"], st["exp_avg_sq_root_scale"], 128))
+    assert torch.equal(got["exp_avg"], st["exp_avg"]) and torch.equal(got["exp_avg_scale"], st["exp_avg_scale"])
+    ablated, st = trained(("exp_avg", "exp_avg_sq"))
+    back = FP8AdamW([torch.nn.Parameter(w0.clone())], lr=1e-2, min_fp8_numel=0)
+    back.load_state_dict(copy.deepcopy(ablated.state_dict()))
+    got = back.state[back.param_groups[0]["params"][0]]
+    q, scale = quantize_blockwise_reference(st["exp_avg_sq_root"], 128, floor_nonzero=True)
+    assert torch.equal(got["exp_avg_sq_root"], q) and torch.equal(got["exp_avg_sq_root_scale"], scale)
+    q, scale = quantize_blockwise_reference(st["exp_avg"], 128)
+    assert torch.equal(got["exp_avg"], q) and torch.equal(got["exp_avg_scale"], scale)
+    for opt in (into, back):  # and both step
+        p = opt.param_groups[0]["params"][0]
+        p.grad = torch.randn(1000)
+        opt.step()
+        assert torch.isfinite(p).all() and not torch.equal(p.detach(), w0)
