@@ -195,22 +195,33 @@ def table_rows(results: list[dict]) -> list[list[str]]:
 
 
 def largest_vs_largest(results: list[dict]) -> list[str]:
-    """For each NAME[_nomtp] with @max rows beside bf16[_nomtp] @max rows: its fastest @max row (over the recompute
-    modes searched) against BF16's fastest, each at its own largest micro-batch (the issue's "FP8 at its largest
-    vs BF16 at its largest")."""
-    largest: dict[str, dict] = {}
+    """For each NAME[_nomtp] beside a bf16[_nomtp] row: its fastest row against BF16's fastest. A family with @max
+    rows is represented by its fastest @max row (over the recompute modes searched: each at its own largest
+    micro-batch, the issue's "FP8 at its largest vs BF16 at its largest"); a family without by its fastest row of
+    those run (explicit micro-batches, e.g. the largest known to fit; the line says they were not searched)."""
+    best: dict[str, dict] = {}
     for r in results:
-        if "largest_of" in r and "error" not in r:
-            best = largest.get(family(r["variant"]))
-            if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
-                largest[family(r["variant"])] = r
+        if "error" in r:
+            continue
+        name, have = family(r["variant"]), best.get(family(r["variant"]))
+        searched = "largest_of" in r
+        if have is None or (searched, r["tokens_per_s"]) > ("largest_of" in have, have["tokens_per_s"]):
+            best[name] = r
     lines = []
-    for name, r in largest.items():
-        base = largest.get("bf16" + (NO_MTP if name.endswith(NO_MTP) else ""))
-        if base is not None and base is not r:
+    for name, r in best.items():
+        base = best.get("bf16" + (NO_MTP if name.endswith(NO_MTP) else ""))
+        if base is None or base is r:
+            continue
+        ratios = (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
+                  f"{r['peak_mem_gib'] / base['peak_mem_gib']:.2f}x peak memory")
+        if "largest_of" in r and "largest_of" in base:
             lines.append(f"{name} at its largest micro-batch ({r['variant']}) vs {family(base['variant'])} "
-                         f"at its largest ({base['variant']}): {r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
-                         f"tokens/s, {r['peak_mem_gib'] / base['peak_mem_gib']:.2f}x peak memory")
+                         f"at its largest ({base['variant']}): {ratios}")
+        else:
+            how = ("only one of them searched with @max" if "largest_of" in r or "largest_of" in base
+                   else "micro-batches as given, not searched with @max")
+            lines.append(f"{name}'s fastest row ({r['variant']}) vs {family(base['variant'])}'s fastest "
+                         f"({base['variant']}): {ratios} ({how})")
     return lines
 
 

@@ -83,6 +83,25 @@ def test_largest_against_largest_line():
         "0.87x peak memory"]
 
 
+def test_fastest_against_fastest_line_without_a_search():
+    """Rows at given micro-batches (the headline run's largest known to fit): each family's fastest row against
+    bf16's fastest of the same MTP setting, said to be unsearched; a searched family keeps its @max row."""
+    bench = load_bench()
+    rows = [result("bf16@5", 5, 39379.0, 137.1), result("fp8@4", 4, 34739.0, 87.0),
+            result("fp8@12", 12, 40221.0, 130.7), result("bf16_nomtp@5", 5, 48161.0, 129.9),
+            result("fp8_nomtp@12", 12, 49063.0, 123.2),
+            {"variant": "fp8_bf16wgrad@16", "micro": 16, "error": "OOM"}]
+    assert bench.largest_vs_largest(rows) == [
+        "fp8's fastest row (fp8@12) vs bf16's fastest (bf16@5): 1.02x tokens/s, 0.95x peak memory "
+        "(micro-batches as given, not searched with @max)",
+        "fp8_nomtp's fastest row (fp8_nomtp@12) vs bf16_nomtp's fastest (bf16_nomtp@5): 1.02x tokens/s, "
+        "0.95x peak memory (micro-batches as given, not searched with @max)"]
+    searched = [*rows, {**result("fp8@8", 8, 30000.0, 96.0), "largest_of": "fp8@max"}]  # slower, but searched
+    assert bench.largest_vs_largest(searched)[0] == (
+        "fp8's fastest row (fp8@8) vs bf16's fastest (bf16@5): 0.76x tokens/s, 0.70x peak memory "
+        "(only one of them searched with @max)")
+
+
 def result(variant: str, micro: int, tokens: float, mem: float, recompute: str = "none") -> dict:
     return {"variant": variant, "micro": micro, "recompute": recompute, "tokens_per_s": tokens, "tflops": tokens / 100,
             "mfu": 0.25, "peak_mem_gib": mem, "optim_state_gib": 1.5, "loss_first": 10.0, "loss_last": 9.5}
