@@ -478,6 +478,12 @@ def verdict(comp: Comparison) -> str:
         parts.append(f"spread across pairs (std) {_pct(m['std']).lstrip('+')} "
                      f"{'wider than' if wider else 'no wider than'} the noise pairs' "
                      f"{_pct(comp.noise_rel['std']).lstrip('+')}")
+    noise = comp.noise_rel
+    if noise is not None and math.isfinite(noise["ci_low"]) and not noise["ci_low"] <= 0 <= noise["ci_high"]:
+        # kernel nondeterminism moves a run either way: noise pairs whose mean is off 0 differ in something else
+        parts.append(f"the noise pairs' mean {_pct(noise['mean'])} is not 0 (95 % interval [{_pct(noise['ci_low'])}, "
+                     f"{_pct(noise['ci_high'])}]): their runs differ from their twins systematically, not only by "
+                     "kernel nondeterminism")
     if comp.noise_floor is None:
         parts.append("no noise-floor pair given (--noise), so the noise floor is unknown")
     else:

@@ -143,6 +143,29 @@ def test_seeds_and_noise_floor(tmp_path):
     assert not (tmp_path / "out" / "fp8_health.png").exists()  # no health in these logs
 
 
+def test_noise_pairs_off_zero_are_called_systematic(tmp_path):
+    """Kernel nondeterminism moves a rerun either way; noise pairs that all lie on one side, with an interval of
+    their mean that excludes 0, are flagged (the parity runs' nondeterministic reruns all ended above their
+    deterministic twins). Noise pairs of both signs are not."""
+    pairs, noise = [], []
+    for seed, offset in ((1, 0.008), (2, 0.010), (3, 0.012)):
+        base = _baseline(seed)
+        b = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
+        fp8 = _config(**{"train.seed": seed, "precision.name": "fp8"})
+        pairs.append((write_run(tmp_path, f"s{seed}_fp8", base, fp8), b))
+        rerun = write_run(tmp_path, f"s{seed}_bf16_rerun", base * (1 + offset), _config(**{"train.seed": seed}))
+        noise.append((rerun, b))
+    comp = compare.compare(pairs, noise, tmp_path / "out")
+    half = 4.302653 * 0.002 / np.sqrt(3)  # t(0.975, 2) · std / sqrt(3)
+    assert (comp.noise_rel["ci_low"], comp.noise_rel["ci_high"]) == pytest.approx((0.01 - half, 0.01 + half))
+    flagged = (f"the noise pairs' mean +1.000 % is not 0 (95 % interval [{100 * (0.01 - half):+.3f} %, "
+               f"{100 * (0.01 + half):+.3f} %]): their runs differ from their twins systematically")
+    assert flagged in compare.verdict(comp)
+    both = [(write_run(tmp_path, f"s{s}_bf16_rerun2", _baseline(s) * (1 + o), _config(**{"train.seed": s})), b)
+            for (s, o), (_, b) in zip(((1, 0.01), (2, -0.01), (3, 0.005)), pairs)]
+    assert "noise pairs' mean" not in compare.verdict(compare.compare(pairs, both, tmp_path / "out2"))
+
+
 def test_cli_globs_and_default_output(tmp_path, monkeypatch, capsys):
     for seed in (1, 2):
         base = _baseline(seed)
