@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from tests.test_config import CONF
+from tests.test_config import compose_cfg
 from tests.test_train_loop import COMMON, metrics_of, same_losses
 
 BASE = ["train.steps=8", "train.eval_every=0"]
@@ -23,9 +22,7 @@ def train_here(run_dir, overrides: list[str]):
     returns its metrics lines and its train.log."""
     import ling.trainer as trainer
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*COMMON, *BASE, *overrides])
-    trainer.train(cfg, run_dir=run_dir)
+    trainer.train(compose_cfg([*COMMON, *BASE, *overrides]), run_dir=run_dir)
     return metrics_of(run_dir), (run_dir / "train.log").read_text()
 
 
