@@ -78,6 +78,9 @@ FP8_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_roo
 ROUNDINGS = ("stochastic", "nearest")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # names for `fp32_moments`
 _SCALE_KEY = {"exp_avg": "exp_avg_scale", "exp_avg_sq_root": "exp_avg_sq_root_scale"}
+# each stored moment: (state key, its name in `fp32_moments`); sqrt(v) is stored, and its E4M3 blocks never flush a
+# non-zero value to zero (floor_nonzero)
+_STORED_MOMENTS = (("exp_avg", "exp_avg"), ("exp_avg_sq_root", "exp_avg_sq"))
 
 
 def _f32(x: float) -> float:
@@ -240,12 +243,11 @@ def state_from_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: fl
     state: dict[str, Any] = {"step": torch.tensor(float(step), dtype=torch.float32)}
     if exp_avg.numel() < min_fp8_numel:
         return {**state, "exp_avg": exp_avg.float().clone(), "exp_avg_sq": exp_avg_sq.float().clone()}
-    for key, x, floor_nonzero, moment in (("exp_avg", exp_avg.float(), False, "exp_avg"),
-                                          ("exp_avg_sq_root", exp_avg_sq.float().sqrt(), True, "exp_avg_sq")):
+    for (key, moment), x in zip(_STORED_MOMENTS, (exp_avg.float(), exp_avg_sq.float().sqrt()), strict=True):
         if moment in fp32_moments:
             state[key] = x.clone()
         else:
-            state[key], state[_SCALE_KEY[key]] = quantize_blockwise_reference(x, block_size, floor_nonzero)
+            state[key], state[_SCALE_KEY[key]] = quantize_blockwise_reference(x, block_size, key == "exp_avg_sq_root")
     return state
 
 
@@ -650,14 +652,14 @@ class FP8AdamW(torch.optim.Optimizer):
                 st = self.state.get(p, {})
                 if "exp_avg_sq_root" not in st:
                     continue
-                for key, moment in (("exp_avg", "exp_avg"), ("exp_avg_sq_root", "exp_avg_sq")):
+                for key, moment in _STORED_MOMENTS:
                     scale_key = _SCALE_KEY[key]
                     is_fp32, want_fp32 = scale_key not in st, moment in self.fp32_moments
                     if is_fp32 and not want_fp32:
                         st[key], st[scale_key] = quantize_blockwise_reference(
                             st[key].float().reshape(-1), bs, floor_nonzero=key == "exp_avg_sq_root")
                     elif want_fp32 and not is_fp32:
-                        st[key] = dequantize_blockwise_reference(st[key], st.pop(scale_key), bs)
+                        st[key] = _load_moment(st[key], st.pop(scale_key), bs)
 
     # -- step ------------------------------------------------------------------------------------------
 
@@ -732,7 +734,7 @@ class FP8AdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             return
         nb = cdiv(n, int(group["block_size"]))
-        for key, moment in (("exp_avg", "exp_avg"), ("exp_avg_sq_root", "exp_avg_sq")):
+        for key, moment in _STORED_MOMENTS:
             if moment in self.fp32_moments:
                 state[key] = torch.zeros(n, dtype=torch.float32, device=p.device)
             else:
