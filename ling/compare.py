@@ -199,20 +199,30 @@ class PairSummary:
         return (self.held_out_a - self.held_out_b) / self.held_out_b
 
 
-def aligned_relative_difference(a: Run, b: Run, key: str = "loss") -> tuple[np.ndarray, np.ndarray]:
-    """(steps both logged, (A − B) / B at those steps)."""
+def aligned_relative_difference(a: Run, b: Run, key: str = "loss",
+                                first_steps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(steps both logged, (A − B) / B at those steps); with `first_steps` only the first that many of them (to
+    compare branches cut short at one common length)."""
     sa, va = a.series(key)
     sb, vb = b.series(key)
     common, ia, ib = np.intersect1d(sa, sb, return_indices=True)
     if len(common) == 0:
         raise ValueError(f"runs {a.path} and {b.path} share no logged step of {key!r}")
+    if first_steps is not None:
+        if first_steps < 1:
+            raise ValueError(f"steps={first_steps}: must be at least 1")
+        if len(common) < first_steps:
+            raise ValueError(f"runs {a.path} and {b.path} share {len(common)} logged steps of {key!r}, fewer "
+                             f"than the {first_steps} asked for")
+        common, ia, ib = common[:first_steps], ia[:first_steps], ib[:first_steps]
     return common, (va[ia] - vb[ib]) / vb[ib]
 
 
-def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2) -> PairSummary:
+def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2,
+                   first_steps: int | None = None) -> PairSummary:
     if not 0 < window <= 1:
         raise ValueError(f"window={window}: must be in (0, 1]")
-    steps, rel = aligned_relative_difference(a, b, key)
+    steps, rel = aligned_relative_difference(a, b, key, first_steps)
     n_win = max(1, int(round(len(steps) * window)))
     ws, wr = steps[-n_win:], rel[-n_win:]
     diffs = config_differences(a, b)
@@ -222,12 +232,15 @@ def summarize_pair(a: Run, b: Run, *, key: str = "loss", window: float = 0.2) ->
         warnings.warn(f"{a.name} vs {b.name} differ beyond precision/optimizer/seed/run name: {listed}",
                       ConfigMismatchWarning, stacklevel=2)
     held_key = "loss"
+    # a held-out result is of the run's end: with the comparison cut short of either run's end it is left out
+    cut = int(steps[-1]) < max(int(a.steps[-1]), int(b.steps[-1])) if first_steps is not None else False
+    a_held, b_held = (None, None) if cut else (a.held_out, b.held_out)
     return PairSummary(
         candidate=a.name, baseline=b.name, key=key, steps=len(steps), window=(int(ws[0]), int(ws[-1])),
         window_steps=n_win, mean_rel=float(wr.mean()), mean_abs_rel=float(np.abs(wr).mean()),
         slope=slope_with_ci(ws.astype(np.float64), wr), final_rel=float(rel[-1]),
-        held_out_a=(a.held_out or {}).get("metrics", {}).get(held_key),
-        held_out_b=(b.held_out or {}).get("metrics", {}).get(held_key),
+        held_out_a=(a_held or {}).get("metrics", {}).get(held_key),
+        held_out_b=(b_held or {}).get("metrics", {}).get(held_key),
         config_differences=diffs,
     )
 
@@ -338,11 +351,12 @@ def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key:
 
 
 def plot_relative_difference(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]],
-                             summaries: list[PairSummary], key: str, out: Path) -> Path:
+                             summaries: list[PairSummary], key: str, out: Path,
+                             first_steps: int | None = None) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
     for i, (a, b) in enumerate(pairs + noise):
-        steps, rel = aligned_relative_difference(a, b, key)
+        steps, rel = aligned_relative_difference(a, b, key, first_steps)
         is_noise = i >= len(pairs)
         color = "0.45" if is_noise else f"C{i % 10}"
         ax.plot(steps, 100 * rel, color=color, alpha=0.18, lw=0.6)
@@ -500,9 +514,10 @@ def verdict(comp: Comparison) -> str:
 
 def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | Path, str | Path]] = (),
             out_dir: str | Path = "runs/compare", *, key: str = "loss", window: float = 0.2,
-            command: str = "ling.compare.compare(...)") -> Comparison:
+            first_steps: int | None = None, command: str = "ling.compare.compare(...)") -> Comparison:
     """Summarize, plot and report; writes loss_curves.png, rel_diff.png, fp8_health.png (when the logs hold
-    FP8 health), report.md and summary.json into `out_dir`."""
+    FP8 health), report.md and summary.json into `out_dir`. `first_steps`: every pair on only the first that
+    many steps both runs logged (the window is a fraction of those)."""
     if not pairs:
         raise ValueError("compare: no pair of runs given")
     runs: dict[str, Run] = {}
@@ -515,10 +530,11 @@ def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | 
 
     run_pairs = [(run(a), run(b)) for a, b in pairs]
     noise_pairs = [(run(a), run(b)) for a, b in noise]
-    summaries = [summarize_pair(a, b, key=key, window=window) for a, b in run_pairs]
-    noise_summaries = [summarize_pair(a, b, key=key, window=window) for a, b in noise_pairs]
+    summaries = [summarize_pair(a, b, key=key, window=window, first_steps=first_steps) for a, b in run_pairs]
+    noise_summaries = [summarize_pair(a, b, key=key, window=window, first_steps=first_steps)
+                       for a, b in noise_pairs]
     comp = summarize(summaries, noise_summaries)
-    diffs = [aligned_relative_difference(a, b, key) for a, b in run_pairs + noise_pairs]
+    diffs = [aligned_relative_difference(a, b, key, first_steps) for a, b in run_pairs + noise_pairs]
     edges = step_edges([steps for steps, _ in diffs])
     comp.edges = [int(e) for e in edges]
     comp.over_the_run = {
@@ -527,7 +543,8 @@ def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = {"loss": plot_losses(run_pairs, noise_pairs, key, out / "loss_curves.png"),
-             "rel_diff": plot_relative_difference(run_pairs, noise_pairs, summaries, key, out / "rel_diff.png"),
+             "rel_diff": plot_relative_difference(run_pairs, noise_pairs, summaries, key, out / "rel_diff.png",
+                                                  first_steps),
              "fp8_health": plot_fp8_health([a for a, _ in run_pairs], out / "fp8_health.png")}
     _write(out / "report.md", render_report(comp, plots, command, window))
     _write(out / "summary.json", json.dumps(asdict(comp), indent=2, default=str) + "\n")
@@ -606,6 +623,8 @@ def main(argv: list[str] | None = None) -> Comparison:
     parser.add_argument("--out", default=None, help="output folder (default runs/compare/<A>_vs_<B>)")
     parser.add_argument("--key", default="loss", help="metric to compare (default loss)")
     parser.add_argument("--window", type=float, default=0.2, help="fraction of the last steps summarized")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="compare each pair on only the first N steps both runs logged (branches cut short)")
     parser.add_argument("--identical", action="store_true",
                         help="RUN_A RUN_B must be bit-identical (a deterministic rerun); exit 1 naming what differs")
     args = parser.parse_args(argv)
@@ -622,7 +641,8 @@ def main(argv: list[str] | None = None) -> Comparison:
     command = "python eval.py compare " + " ".join(argv if argv is not None else [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comp = compare(pairs, _expand_pairs(args.noise), out, key=args.key, window=args.window, command=command)
+        comp = compare(pairs, _expand_pairs(args.noise), out, key=args.key, window=args.window,
+                       first_steps=args.steps, command=command)
     for w in caught:
         print(f"WARNING: {w.message}")
     print(Path(out, "report.md").read_text().split("## Plots")[0].rstrip())

@@ -178,6 +178,32 @@ def test_cli_globs_and_default_output(tmp_path, monkeypatch, capsys):
     assert "mean rel. diff" in capsys.readouterr().out
 
 
+def test_steps_compares_every_pair_on_its_first_n_common_steps(tmp_path, capsys):
+    """--steps N: a pair cut short (a branch stopped at 150 of 200 steps) and a full one are both summarized on
+    steps 1..N exactly as if both runs had stopped there; the end-of-run held-out result is left out."""
+    base = _baseline()
+    rel = np.where(np.arange(1, STEPS + 1) <= 120, 0.001, 0.01)  # the difference jumps after step 120
+    b = write_run(tmp_path, "bf16", base, _config(), held_out=3.0)
+    a = write_run(tmp_path, "fp8", base * (1 + rel), _config(**{"precision.name": "fp8"}), held_out=3.3)
+    cut = write_run(tmp_path, "fp8_cut", (base * (1 + rel))[:150], _config(**{"precision.name": "fp8"}))
+    b_short = write_run(tmp_path, "bf16_short", base[:120], _config())
+    a_short = write_run(tmp_path, "fp8_short", (base * (1 + rel))[:120], _config(**{"precision.name": "fp8"}))
+    comp = compare.main(["--pairs", f"{a}:{b}", f"{cut}:{b}", "--steps", "120", "--window", "0.5",
+                         "--out", str(tmp_path / "r")])
+    want = compare.summarize_pair(compare.load_run(a_short), compare.load_run(b_short), window=0.5)
+    for p in comp.pairs:
+        assert p.steps == 120 and p.window == (61, 120) and p.window_steps == 60
+        assert p.mean_rel == pytest.approx(want.mean_rel, abs=1e-15) == pytest.approx(0.001, abs=1e-12)
+        assert p.held_out_rel is None  # 3.3 vs 3.0 is the runs' end, not step 120
+    assert compare.compare([(a, b)], out_dir=tmp_path / "full").pairs[0].held_out_rel == pytest.approx(0.1)
+    assert compare.summarize_pair(compare.load_run(a), compare.load_run(b), first_steps=200).held_out_rel \
+        == pytest.approx(0.1)  # nothing cut: the held-out result stays
+    with pytest.raises(ValueError, match="share 150 logged steps of 'loss', fewer than the 160"):
+        compare.main(["--pairs", f"{cut}:{b}", "--steps", "160", "--out", str(tmp_path / "r2")])
+    with pytest.raises(ValueError, match="steps=0: must be at least 1"):
+        compare.main(["--pairs", f"{cut}:{b}", "--steps", "0", "--out", str(tmp_path / "r3")])
+
+
 def test_run_dir_without_logs(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"empty: no metrics.jsonl"):
