@@ -37,6 +37,7 @@ from fp8.adam import (  # noqa: E402
     fp8_adamw_update_triton,
     quantize_blockwise_reference,
 )
+from fp8.quant import e4m3_code_distance  # noqa: E402
 
 H = 2048  # Ling-mini-2.0 hidden size
 _CAST_FIX = None
@@ -125,7 +126,7 @@ def check_kernel_vs_reference() -> dict:
         dp = (a[0] - b[0]).abs().max().item() / 1e-3  # in units of lr (the size of one update)
         out["max_param_err_over_lr"] = max(out["max_param_err_over_lr"], dp)
         for i in (2, 4):
-            da = (a[i].to(torch.int32) - b[i].to(torch.int32)).abs()
+            da = e4m3_code_distance(a[i], b[i])  # in E4M3 steps (the raw code difference is 128 across ±0)
             out["moment_code_mismatch"] += (da > 0).sum().item()
             out["moment_max_code_dist"] = max(out["moment_max_code_dist"], int(da.max().item()))
             total += da.numel()

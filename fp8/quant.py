@@ -39,6 +39,7 @@ __all__ = [
     "dequantize_1x128",
     "dequantize_128x128",
     "quantize_tensorwise",
+    "e4m3_code_distance",
 ]
 
 
@@ -127,6 +128,20 @@ def fp8_transpose_128x128_ref(q: torch.Tensor, scale: torch.Tensor) -> tuple[tor
     """Transpose of a 128x128-quantized weight ([N, K] or a stack [G, N, K]): ([..., K, N] E4M3, scale
     [..., ceil(K/128), ceil(N/128)]); exact."""
     return q.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
+
+
+def e4m3_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many E4M3 values lie between a and b, elementwise: a, b `float8_e4m3fn` or their codes as uint8
+    (FP8AdamW's stored moments), same shape; int32 on a's device. Codes are sign-magnitude, so the raw code
+    difference is wrong across zero (+0 is 0x00, -0 is 0x80: the same value, 128 codes apart): this orders the
+    codes -127 … -1, 0 (both zeros), 1 … 127 first."""
+
+    def order(x: torch.Tensor) -> torch.Tensor:
+        code = (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x).to(torch.int32)
+        magnitude = code & 0x7F
+        return torch.where(code & 0x80 != 0, -magnitude, magnitude)
+
+    return (order(a) - order(b.to(a.device))).abs()
 
 
 def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from fp8.adam import (
     state_from_moments,
     stochastic_round_e4m3,
 )
+from fp8.quant import e4m3_code_distance
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -52,17 +53,6 @@ def random_state(n: int, bs: int, gen: torch.Generator, device: str, grad_dtype=
     rq, rs = (r, None) if "r" in fp32 else quantize_blockwise_reference(r, bs, floor_nonzero=True)
     p = torch.randn(n, generator=gen)
     return [t.to(device) if t is not None else None for t in (p, g.to(grad_dtype), mq, ms, rq, rs)]
-
-
-def fp8_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|index difference| of two uint8 E4M3 tensors of non-negative/any sign (sign-magnitude order)."""
-
-    def order(x):
-        x = x.to(torch.int32)
-        mag = x & 0x7F
-        return torch.where(x & 0x80 != 0, -mag, mag)
-
-    return (order(a.cpu()) - order(b.cpu())).abs()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,7 +283,7 @@ def test_kernel_matches_reference(device, grad_dtype, cfg, rounding, fp32, reque
                 assert ((a[q] - b[q]).abs() <= bound + 1e-30).all(), (a[q] - b[q]).abs().max()
                 continue
             torch.testing.assert_close(a[scale], b[scale], rtol=1e-6, atol=0)
-            dist = fp8_code_distance(a[q], b[q])
+            dist = e4m3_code_distance(a[q], b[q])
             assert dist.max() <= 1 and (dist > 0).float().mean() < 1e-3
 
 

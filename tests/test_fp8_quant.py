@@ -11,6 +11,7 @@ import torch
 
 from fp8.quant import (
     dequantize_1x128,
+    e4m3_code_distance,
     fp8_transpose_128x128,
     fp8_transpose_128x128_ref,
     quantize_1x128,
@@ -159,3 +160,20 @@ def test_bad_input_errors():
         quantize_1x128_transposed(torch.randn(4, 128), torch.ones(4, 1))
     with pytest.raises(ValueError, match="backend"):
         quantize_1x128(torch.randn(4, 128), backend="cuda")
+
+
+def test_e4m3_code_distance_counts_values_between_across_zero():
+    """Every pair of E4M3 values (both zeros, subnormals, both signs; NaN codes left out): the distance is the
+    number of steps between their ranks on the sorted line of distinct values, where +0 and -0 are one."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F/0xFF are NaN
+    values = codes.view(torch.float8_e4m3fn).float()
+    distinct = torch.unique(values)  # sorted; -0.0 and +0.0 compare equal, so one zero
+    rank = torch.searchsorted(distinct, values)
+    want = (rank[:, None] - rank[None, :]).abs().to(torch.int32)
+    got = e4m3_code_distance(codes[:, None].expand(-1, len(codes)), codes[None, :].expand(len(codes), -1))
+    assert torch.equal(got, want)
+    fp8 = values.to(torch.float8_e4m3fn)  # the float8 dtype gives the same answer as its codes
+    assert torch.equal(e4m3_code_distance(fp8[:, None].expand(-1, len(codes)), fp8[None, :].expand(len(codes), -1)),
+                       want)
+    zero, neg_zero, tiny, neg_tiny = (torch.tensor([c], dtype=torch.uint8) for c in (0x00, 0x80, 0x01, 0x81))
+    assert e4m3_code_distance(zero, neg_zero).item() == 0 and e4m3_code_distance(tiny, neg_tiny).item() == 2
