@@ -164,14 +164,19 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def rounding_noise(idx: torch.Tensor, key: int) -> torch.Tensor:
     """int64 element indices → int32 noise in [0, 2^20): hash32(idx ^ key)'s low bits (kernel twin: `_noise`).
-    Products stay below 2^63 (32-bit values times 31-bit constants), so int64 arithmetic is exact."""
-    h = (idx ^ key) & 0xFFFFFFFF
-    h = h ^ (h >> 16)
-    h = (h * 0x7FEB352D) & 0xFFFFFFFF
-    h = h ^ (h >> 15)
-    h = (h * 0x5BD1E995) & 0xFFFFFFFF
-    h = h ^ (h >> 16)
-    return (h & ((1 << NOISE_BITS) - 1)).to(torch.int32)
+    Products stay below 2^63 (32-bit values times 31-bit constants), so int64 arithmetic is exact. In place on
+    one int64 buffer (the CPU path's optimizer step spends most of its time here)."""
+    h = torch.bitwise_xor(idx, key).bitwise_and_(0xFFFFFFFF)
+    for shift, mult in ((16, 0x7FEB352D), (15, 0x5BD1E995)):
+        h.bitwise_xor_(h >> shift).mul_(mult).bitwise_and_(0xFFFFFFFF)
+    h.bitwise_xor_(h >> 16)
+    return h.bitwise_and_((1 << NOISE_BITS) - 1).to(torch.int32)
+
+
+def _block_noise(nb: int, block_size: int, key: int, device: torch.device) -> torch.Tensor:
+    """The noise of the elements of nb blocks (pad elements included): int32 [nb, block_size]."""
+    idx = torch.arange(nb * block_size, dtype=torch.int64, device=device).view(nb, block_size)
+    return rounding_noise(idx, key)
 
 
 def stochastic_round_e4m3(y: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -195,15 +200,22 @@ def quantize_blockwise_reference(
     with the noise of `key` (`rounding_noise` of the element index). With `floor_nonzero`, entries with x > 0
     that would round to 0 are stored as the smallest positive subnormal instead (for x ≥ 0).
     """
+    noise = None if key is None else _block_noise(cdiv(x.numel(), block_size), block_size, key, x.device)
+    return _quantize_blocks(x, block_size, floor_nonzero, noise)
+
+
+def _quantize_blocks(x: torch.Tensor, block_size: int, floor_nonzero: bool,
+                     noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_blockwise_reference` with the stochastic rounding's noise given (int32 [nb, block_size]) or
+    None (round to nearest): the optimizer step computes it once for both moments, which share it."""
     n = x.numel()
     xb = _blocks(x.float().reshape(-1), block_size)
     amax = xb.abs().amax(dim=1)
     amax = torch.clamp(amax, min=AMAX_FLOOR)
     scale = amax / E4M3_MAX
     y = (xb * (E4M3_MAX / amax)[:, None]).clamp(-E4M3_MAX, E4M3_MAX)  # one division per block, as the kernel
-    if key is not None:
-        idx = torch.arange(y.numel(), dtype=torch.int64, device=y.device).view_as(y)
-        y = stochastic_round_e4m3(y, rounding_noise(idx, key))
+    if noise is not None:
+        y = stochastic_round_e4m3(y, noise)
     if floor_nonzero:
         y = torch.where(xb > 0, torch.clamp(y, min=E4M3_MIN_SUBNORMAL), y)
     q = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n]
@@ -255,11 +267,11 @@ def _load_moment(q: torch.Tensor, scale: torch.Tensor | None, block_size: int) -
     return q.float().reshape(-1) if scale is None else dequantize_blockwise_reference(q, scale, block_size)
 
 
-def _store_moment(x, q, scale, block_size: int, floor_nonzero: bool, key: int | None) -> None:
+def _store_moment(x, q, scale, block_size: int, floor_nonzero: bool, noise: torch.Tensor | None) -> None:
     if scale is None:  # an fp32 moment (ablation)
         q.copy_(x)
         return
-    xq, xs = quantize_blockwise_reference(x, block_size, floor_nonzero, key)
+    xq, xs = _quantize_blocks(x, block_size, floor_nonzero, noise)
     q.copy_(xq)
     scale.copy_(xs)
 
@@ -290,8 +302,11 @@ def fp8_adamw_update_reference(
     denom = r * s.inv_sqrt_bc2 + s.eps
     p = param.view(-1)
     p.copy_(p * s.decay - s.step_size * (m / denom))
-    _store_moment(m, exp_avg, exp_avg_scale, block_size, False, s.key)
-    _store_moment(r, exp_avg_sq_root, exp_avg_sq_root_scale, block_size, True, s.key)
+    e4m3 = exp_avg_scale is not None or exp_avg_sq_root_scale is not None
+    noise = _block_noise(cdiv(p.numel(), block_size), block_size, s.key, p.device) if s.key is not None and e4m3 \
+        else None  # one element's noise is the same for both moments (`noise_key`)
+    _store_moment(m, exp_avg, exp_avg_scale, block_size, False, noise)
+    _store_moment(r, exp_avg_sq_root, exp_avg_sq_root_scale, block_size, True, noise)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -308,8 +323,7 @@ class KernelConfig:
     holds 4 contiguous elements, so fp32 and fp8 accesses share one layout (16- and 4-byte accesses, no
     layout conversion through shared memory)."""
 
-    # Measured on an H200 (bench/bench_fp8_adam.py, 477 × [1024, 2048]): 8 × 8 × 1 4.76 ms, 16 × 16 × 1
-    # 4.88 ms, 16 × 16 × 2 5.05 ms, 8 × 8 × 4 5.57 ms, 16 × 8 × 1 5.85 ms, 32 × 8 × 1 6.76 ms.
+    # The default is the fastest shape of bench/bench_fp8_adam.py's launch sweep on an H200 (README, FP8 Adam).
     blocks_per_program: int = 8
     num_warps: int = 8
     iters_per_program: int = 1
