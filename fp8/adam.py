@@ -78,9 +78,9 @@ FP8_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_roo
 ROUNDINGS = ("stochastic", "nearest")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # names for `fp32_moments`
 _SCALE_KEY = {"exp_avg": "exp_avg_scale", "exp_avg_sq_root": "exp_avg_sq_root_scale"}
-# each stored moment: (state key, its name in `fp32_moments`); sqrt(v) is stored, and its E4M3 blocks never flush a
-# non-zero value to zero (floor_nonzero)
-_STORED_MOMENTS = (("exp_avg", "exp_avg"), ("exp_avg_sq_root", "exp_avg_sq"))
+# each stored moment: (state key, its name in `fp32_moments`, floor_nonzero of its E4M3 blocks); sqrt(v) is stored,
+# and its blocks never flush a non-zero value to zero
+_STORED_MOMENTS = (("exp_avg", "exp_avg", False), ("exp_avg_sq_root", "exp_avg_sq", True))
 
 
 def _f32(x: float) -> float:
@@ -165,7 +165,7 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
 def rounding_noise(idx: torch.Tensor, key: int) -> torch.Tensor:
     """int64 element indices → int32 noise in [0, 2^20): hash32(idx ^ key)'s low bits (kernel twin: `_noise`).
     Products stay below 2^63 (32-bit values times 31-bit constants), so int64 arithmetic is exact. In place on
-    one int64 buffer (the CPU path's optimizer step spends most of its time here)."""
+    one int64 buffer: the torch path's optimizer step hashes every element every step."""
     h = torch.bitwise_xor(idx, key).bitwise_and_(0xFFFFFFFF)
     for shift, mult in ((16, 0x7FEB352D), (15, 0x5BD1E995)):
         h.bitwise_xor_(h >> shift).mul_(mult).bitwise_and_(0xFFFFFFFF)
@@ -255,11 +255,11 @@ def state_from_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: fl
     state: dict[str, Any] = {"step": torch.tensor(float(step), dtype=torch.float32)}
     if exp_avg.numel() < min_fp8_numel:
         return {**state, "exp_avg": exp_avg.float().clone(), "exp_avg_sq": exp_avg_sq.float().clone()}
-    for (key, moment), x in zip(_STORED_MOMENTS, (exp_avg.float(), exp_avg_sq.float().sqrt()), strict=True):
+    for (key, moment, floor), x in zip(_STORED_MOMENTS, (exp_avg.float(), exp_avg_sq.float().sqrt()), strict=True):
         if moment in fp32_moments:
             state[key] = x.clone()
         else:
-            state[key], state[_SCALE_KEY[key]] = quantize_blockwise_reference(x, block_size, key == "exp_avg_sq_root")
+            state[key], state[_SCALE_KEY[key]] = quantize_blockwise_reference(x, block_size, floor)
     return state
 
 
@@ -666,12 +666,12 @@ class FP8AdamW(torch.optim.Optimizer):
                 st = self.state.get(p, {})
                 if "exp_avg_sq_root" not in st:
                     continue
-                for key, moment in _STORED_MOMENTS:
+                for key, moment, floor in _STORED_MOMENTS:
                     scale_key = _SCALE_KEY[key]
                     is_fp32, want_fp32 = scale_key not in st, moment in self.fp32_moments
                     if is_fp32 and not want_fp32:
                         st[key], st[scale_key] = quantize_blockwise_reference(
-                            st[key].float().reshape(-1), bs, floor_nonzero=key == "exp_avg_sq_root")
+                            st[key].float().reshape(-1), bs, floor_nonzero=floor)
                     elif want_fp32 and not is_fp32:
                         st[key] = _load_moment(st[key], st.pop(scale_key), bs)
 
@@ -748,7 +748,7 @@ class FP8AdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             return
         nb = cdiv(n, int(group["block_size"]))
-        for key, moment in _STORED_MOMENTS:
+        for key, moment, _ in _STORED_MOMENTS:
             if moment in self.fp32_moments:
                 state[key] = torch.zeros(n, dtype=torch.float32, device=p.device)
             else:

@@ -351,12 +351,12 @@ def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key:
 
 
 def plot_relative_difference(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]],
-                             summaries: list[PairSummary], key: str, out: Path,
-                             first_steps: int | None = None) -> Path:
+                             diffs: list[tuple[np.ndarray, np.ndarray]], summaries: list[PairSummary], key: str,
+                             out: Path) -> Path:
+    """`diffs`: each pair's (steps, relative difference), pairs then noise pairs (`aligned_relative_difference`)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 5))
-    for i, (a, b) in enumerate(pairs + noise):
-        steps, rel = aligned_relative_difference(a, b, key, first_steps)
+    for i, ((a, b), (steps, rel)) in enumerate(zip(pairs + noise, diffs, strict=True)):
         is_noise = i >= len(pairs)
         color = "0.45" if is_noise else f"C{i % 10}"
         ax.plot(steps, 100 * rel, color=color, alpha=0.18, lw=0.6)
@@ -543,8 +543,7 @@ def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = {"loss": plot_losses(run_pairs, noise_pairs, key, out / "loss_curves.png"),
-             "rel_diff": plot_relative_difference(run_pairs, noise_pairs, summaries, key, out / "rel_diff.png",
-                                                  first_steps),
+             "rel_diff": plot_relative_difference(run_pairs, noise_pairs, diffs, summaries, key, out / "rel_diff.png"),
              "fp8_health": plot_fp8_health([a for a, _ in run_pairs], out / "fp8_health.png")}
     _write(out / "report.md", render_report(comp, plots, command, window))
     _write(out / "summary.json", json.dumps(asdict(comp), indent=2, default=str) + "\n")

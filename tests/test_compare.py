@@ -178,7 +178,7 @@ def test_cli_globs_and_default_output(tmp_path, monkeypatch, capsys):
     assert "mean rel. diff" in capsys.readouterr().out
 
 
-def test_steps_compares_every_pair_on_its_first_n_common_steps(tmp_path, capsys):
+def test_steps_compares_every_pair_on_its_first_n_common_steps(tmp_path):
     """--steps N: a pair cut short (a branch stopped at 150 of 200 steps) and a full one are both summarized on
     steps 1..N exactly as if both runs had stopped there; the end-of-run held-out result is left out."""
     base = _baseline()
