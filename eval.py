@@ -8,10 +8,10 @@
 
 import sys
 
-from ling.launch import strip_local_rank_arg
+from ling.train.launch import strip_local_rank_arg
 
 if len(sys.argv) > 1 and sys.argv[1] == "compare":
-    from ling.compare import main as compare_main
+    from ling.analysis.compare import main as compare_main  # the comparison needs no model: skip its imports
 
     compare_main(sys.argv[2:])
     sys.exit(0)
@@ -21,11 +21,11 @@ strip_local_rank_arg()  # the deepspeed launcher's --local_rank must not reach H
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from ling.analysis.evaluate import run_eval  # noqa: E402
+
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from ling.evaluate import run_eval
-
     run_eval(cfg)
 
 

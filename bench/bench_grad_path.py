@@ -21,9 +21,9 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
   zero2_fp32_comm    zero2 with communication_data_type=fp32 (exact data-parallel means; tests/test_grad_accum.py)
   zero1              `deepspeed=zero1`, the GPU experiments' (fp32 accumulation: DeepSpeed's BF16_Optimizer, fp32
-                     sums in its hooks and one fp32 all-reduce at the boundary, with ling/engine.py's lean hook)
+                     sums in its hooks and one fp32 all-reduce at the boundary, with ling/train/engine.py's lean hook)
   zero1_stock_hook   zero1 with DeepSpeed's own hook (an fp32 copy of each bf16 gradient before the add)
-The DeepSpeed config comes from the trainer's own `ling.engine.deepspeed_config`.
+The DeepSpeed config comes from the trainer's own `ling.train.engine.deepspeed_config`.
 Each variant runs in a fresh process (`--json` prints its row), so one variant's memory cannot leak into the next.
 Columns: ms per micro-batch backward (median), the same minus autograd's (the gradient path's own cost), ms per
 optimizer step (the boundary micro-batch's `engine.step()`, median of the steps after the first), peak memory.
@@ -46,12 +46,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ling.profiling import markdown  # noqa: E402
+from ling.analysis.profiling import markdown  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.ling import LingForCausalLM  # noqa: E402
 
 # variant → the `deepspeed` config node (None: no DeepSpeed), turned into DeepSpeed's config by the trainer's own
-# ling.engine.deepspeed_config
+# ling.train.engine.deepspeed_config
 VARIANTS: dict[str, dict | None] = {
     "autograd": None,
     "fp32_by_hand": None,
@@ -113,7 +113,7 @@ def run_variant(name: str, config: ModelConfig, args, device: torch.device) -> d
     if ds is not None:
         from omegaconf import OmegaConf
 
-        from ling.engine import deepspeed_config, initialize_engine
+        from ling.train.engine import deepspeed_config, initialize_engine
 
         cfg = OmegaConf.create({"train": {"micro_batch_size": 1, "grad_accum": args.grad_accum},
                                 "optim": {"grad_clip": 1.0}, "deepspeed": ds})

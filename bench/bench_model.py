@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ling.metrics import flops_per_token  # noqa: E402
-from ling.profiling import markdown, profiled, summarize  # noqa: E402
+from ling.analysis.profiling import markdown, profiled, summarize  # noqa: E402
+from ling.train.metrics import flops_per_token  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.layers import attend, document_block_mask, document_causal_mask, reference_attention  # noqa: E402
 from model.ling import LingForCausalLM, count_parameters  # noqa: E402

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ling.profiling import markdown  # noqa: E402
+from ling.analysis.profiling import markdown  # noqa: E402
 
 VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],

@@ -251,7 +251,7 @@ def state_from_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: fl
     """The FP8AdamW state of a flat fp32 tensor whose moments are m = exp_avg and v = exp_avg_sq (fp32 [n])
     after `step` updates, as a step of an FP8AdamW with these `fp32_moments` writes it: E4M3 blocks of m and
     sqrt(v), or per-element fp32 m / sqrt(v) for the moments named in `fp32_moments` (the ablation), or fp32
-    moments when n < min_fp8_numel. Used to re-partition a checkpoint (ling/reshard.py)."""
+    moments when n < min_fp8_numel. Used to re-partition a checkpoint (ling/checkpoint/reshard.py)."""
     state: dict[str, Any] = {"step": torch.tensor(float(step), dtype=torch.float32)}
     if exp_avg.numel() < min_fp8_numel:
         return {**state, "exp_avg": exp_avg.float().clone(), "exp_avg_sq": exp_avg_sq.float().clone()}

@@ -44,7 +44,7 @@ class ModelConfig:
     pad_for_fp8: bool | None = None
     moe_pad_multiple: int = 16
     # expert parallelism (`moe.ep_size`): the experts are split evenly over the ranks of an expert-parallel
-    # process group (ling/engine.py creates it and hands it to the model); 1 = every rank holds every expert
+    # process group (ling/train/engine.py creates it and hands it to the model); 1 = every rank holds every expert
     ep_size: int = 1
     # Multi-Token Prediction
     num_mtp_layers: int = 1

@@ -18,7 +18,7 @@ AttentionMask = torch.Tensor | BlockMask | None  # None: causal; bool [B, 1, T, 
 
 
 def scope(name: str):
-    """A profiler range `name` while a torch profiler records (ling/profiling.py groups kernels by these
+    """A profiler range `name` while a torch profiler records (ling/analysis/profiling.py groups kernels by these
     ranges: attention_core, attention_proj, mlp, moe, lm_head_loss, ...); a no-op otherwise."""
     return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 

@@ -147,7 +147,7 @@ def check_expert_parallel_group(config: ModelConfig, group):
         size = None if group is None else dist.get_world_size(group)
         raise ValueError(f"moe.ep_size={config.ep_size}: the model needs its expert-parallel process group of "
                          f"{config.ep_size} ranks (got {'none' if size is None else f'one of {size} ranks'}); "
-                         "ling.engine.build_engine creates it")
+                         "ling.train.engine.build_engine creates it")
     return group
 
 

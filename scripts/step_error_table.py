@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ling.compare import spread  # noqa: E402
+from ling.analysis.compare import spread  # noqa: E402
 
 RECORD = Path("eval") / "step_error.json"
 

@@ -35,7 +35,7 @@ from model.moe import MoE
 
 
 def init_dist() -> tuple[int, int]:
-    from ling.launch import init_distributed
+    from ling.ranks import init_distributed
 
     init_distributed()  # gloo on CPU, through DeepSpeed (whose groups API the runs use)
     return dist.get_rank(), dist.get_world_size()
@@ -113,7 +113,7 @@ def check_layer(precision: str, pad: bool, starve: bool, rank: int, world: int, 
 
 
 def check_model(rank: int, world: int, tmp: Path) -> None:
-    from ling.hf import load_hf_checkpoint, save_hf
+    from ling.checkpoint.hf import load_hf_checkpoint, save_hf
 
     cfg = ModelConfig.preset("tiny", vocab_size=64, num_layers=2)
     torch.manual_seed(0)
@@ -137,16 +137,16 @@ def check_model(rank: int, world: int, tmp: Path) -> None:
 
 
 def train_runs(specs: list[dict], rank: int) -> dict:
-    """Each spec: `ling.trainer.train` (logs, lock, signals as train.py), or with "resave_to" a Trainer that
+    """Each spec: `ling.train.trainer.train` (logs, lock, signals as train.py), or with "resave_to" a Trainer that
     resumes and saves its state again at once (the re-partitioned state, for the test to compare), or with
     "digests" a Trainer that fits and reports a hash of each expert stack on every rank."""
     import hashlib
 
     from hydra import compose, initialize_config_dir
 
-    from ling import checkpoint
-    from ling.preemption import StopSignals
-    from ling.trainer import Trainer, train
+    from ling.checkpoint import store as checkpoint
+    from ling.train.preemption import StopSignals
+    from ling.train.trainer import Trainer, train
 
     root = Path(__file__).resolve().parents[1]
     out = {}

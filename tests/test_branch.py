@@ -1,7 +1,7 @@
 """Branches of a run (scripts/parity_branch.sh): `train.resume=<another run's checkpoint>` in a fresh run dir
 continues that run's trajectory (weights, fp32 masters, moments, data position, RNG, lr schedule) in another recipe,
 and `train.stop_at` ends it early while the lr schedule still spans `train.steps`. Across optimizers (AdamW ↔
-FP8AdamW) the state goes through ling/reshard.py's per-parameter path: the fp32 master weights exactly, the
+FP8AdamW) the state goes through ling/checkpoint/reshard.py's per-parameter path: the fp32 master weights exactly, the
 moments in the new optimizer's format."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SMALL_BUCKETS = ["+deepspeed.zero_extra.reduce_bucket_size=1000000",
 def train_here(run_dir, overrides: list[str]):
     """One in-process run of the trainer (the torchrun launch has its own tests; a process start costs ~5 s here);
     returns its metrics lines and its train.log."""
-    import ling.trainer as trainer
+    import ling.train.trainer as trainer
 
     trainer.train(compose_cfg([*COMMON, *BASE, *overrides]), run_dir=run_dir)
     return metrics_of(run_dir), (run_dir / "train.log").read_text()

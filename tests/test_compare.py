@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from ling import compare
+from ling.analysis import compare
 
 STEPS = 200
 

@@ -11,8 +11,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from ling.engine import build_optimizer, model_config_from
-from ling.launch import strip_local_rank_arg
+from ling.config import model_config_from
+from ling.train.engine import build_optimizer
+from ling.train.launch import strip_local_rank_arg
 from model.config import PRESETS, ModelConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -38,7 +39,7 @@ def test_gpu_experiments_accumulate_in_fp32_through_zero1(exp):
     """The GPU experiments run ZeRO-1 with fp32 gradient accumulation: under bf16 that is DeepSpeed's BF16_Optimizer
     with its fp32 sums all-reduced in fp32 (README "Gradient accumulation in fp32"; the faster grad path measured by
     bench/bench_grad_path.py)."""
-    from ling.engine import deepspeed_config
+    from ling.train.engine import deepspeed_config
 
     cfg = compose_cfg([f"+exp={exp}"])
     ds = deepspeed_config(cfg, use_bf16=True)
@@ -108,7 +109,7 @@ def test_deepspeed_local_rank_argument_is_stripped(argv, monkeypatch):
 
 
 def test_fp8_adamw_with_elastic_checkpoint_is_refused_up_front():
-    from ling.engine import build_engine
+    from ling.train.engine import build_engine
 
     cfg = compose_cfg(["+exp=tiny_cpu", "optim=fp8_adamw", "+deepspeed.zero_extra.elastic_checkpoint=true"])
     with pytest.raises(ValueError, match="elastic_checkpoint"):

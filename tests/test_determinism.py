@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from ling.determinism import deterministic_mode
+from ling.train.determinism import deterministic_mode
 from tests.test_config import CONF
 
 COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1",
@@ -27,7 +27,7 @@ def compose_run(extra: list[str]):
 def train_twice(tmp_path, monkeypatch, extra: list[str]):
     """Two runs of one config; returns their metrics lines, final weights and the batches each validation
     read, and checks that deterministic mode was on inside the run."""
-    import ling.trainer as trainer
+    import ling.train.trainer as trainer
 
     engines, seen = [], []
     real_build, real_evaluate = trainer.build_engine, trainer.evaluate

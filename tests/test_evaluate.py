@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ling.evaluate import evaluate, run_eval, split_steps
-from ling.step_error import format_step_errors
+from ling.analysis.evaluate import evaluate, run_eval, split_steps
+from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
 
@@ -190,8 +190,8 @@ def test_eval_in_another_precision_and_from_an_hf_export(tiny_runs):
     a, b = native["metrics"]["lm_loss"], as_bf16["metrics"]["lm_loss"]
     assert a != b and a == pytest.approx(b, rel=2e-2)
 
-    from ling.hf import save_hf
-    from ling.weights import find_checkpoint, read_model_state
+    from ling.checkpoint.hf import save_hf
+    from ling.checkpoint.weights import find_checkpoint, read_model_state
 
     ref = find_checkpoint(tiny_runs / "bf16")
     state = read_model_state(ref.folder)
@@ -254,7 +254,7 @@ def test_step_errors_against_hand_computed_values():
     """A candidate whose loss is the reference's times (1 + δ) on every batch: relative loss difference δ (its
     interval collapses to δ), gradient relative error δ, cosine 1; a copy of the reference: 0 and 1. Parameter
     groups follow the names."""
-    from ling.step_error import step_errors
+    from ling.analysis.step_error import step_errors
 
     w = torch.tensor([[0.5, -1.0, 2.0, 0.25]])
     models = {"fp32": _Toy(1.0, w), "bf16": _Toy(1.0, w), "fp8": _Toy(1.0 + 1e-3, w)}
@@ -274,7 +274,7 @@ def test_step_errors_against_hand_computed_values():
 
 
 def test_changed_routing_assignments_by_hand():
-    from ling.step_error import _changed_assignments
+    from ling.analysis.step_error import _changed_assignments
 
     ref = [torch.tensor([[0, 1], [2, 3]]), torch.tensor([[5, 4]])]
     same_sets = [torch.tensor([[1, 0], [2, 3]]), torch.tensor([[4, 5]])]  # order within a token does not count

@@ -22,10 +22,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ling.checkpoint import read_expert_shards, verify
-from ling.engine import expert_parallel_group, model_config_from
-from ling.reshard import SavedZeroState
-from ling.weights import find_checkpoint, load_into, read_model_state
+from ling.checkpoint.reshard import SavedZeroState
+from ling.checkpoint.store import read_expert_shards, verify
+from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
+from ling.config import model_config_from
+from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
 from tests.test_train_loop import COMMON, free_port, metrics_of
 
@@ -323,7 +324,7 @@ def test_four_ranks_ep2_under_zero1_bf16_fp32_accumulation_match_ep1(tmp_path):
     assert "DeepSpeed's BF16_Optimizer via LeanBF16Optimizer)" in (tmp_path / "ep1" / "train.log").read_text()
     # bf16 noise between the two layouts (summation orders), measured on these 4 steps: ZeRO-2 1.5e-4 on losses and
     # 2.4e-4 on grad norms, this path 7e-5 and 1.1e-3. With the experts averaged over all 4 ranks (the
-    # BF16_Optimizer path before ling/engine.py raised DeepSpeed's MoE flag for its all-reduce) step 2's loss was
+    # BF16_Optimizer path before ling/train/engine.py raised DeepSpeed's MoE flag for its all-reduce) step 2's loss was
     # 7.5e-4 off, its grad norm 1.2 % and step 3's 1.7 %.
     for a, b in zip(ep2, ep1):
         assert close(a["loss"], b["loss"], 5e-4), (a, b)

@@ -197,7 +197,7 @@ def test_compiled_swiglu_output_rounds_as_eager():
 
 # ---------------------------------------------------------------------------------------------------------- config
 def test_config_key_is_validated_and_reaches_the_experts():
-    from ling.engine import model_config_from
+    from ling.config import model_config_from
 
     base = ["+exp=tiny_cpu", "data=synthetic", "precision=fp8"]
     assert model_config_from(compose_cfg(base), 256).fp8_expert_wgrad == "fp8"  # the recipe by default
@@ -236,8 +236,8 @@ def test_tiny_model_trains_with_the_bf16_expert_wgrad(tmp_path, monkeypatch):
     finite, and the first step's loss is the recipe's (the forward is the same) while training then departs."""
     import json
 
-    import ling.trainer as trainer
-    from ling.trainer import train
+    import ling.train.trainer as trainer
+    from ling.train.trainer import train
 
     engines = []
     real_build = trainer.build_engine

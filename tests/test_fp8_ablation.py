@@ -80,8 +80,9 @@ def test_bad_components_are_named():
 
 def test_config_reaches_layers_experts_and_optimizer():
     from fp8.adam import FP8AdamW
-    from ling.engine import build_engine, model_config_from
-    from ling.launch import init_distributed
+    from ling.config import model_config_from
+    from ling.ranks import init_distributed
+    from ling.train.engine import build_engine
     from model.moe import GroupedExperts
 
     init_distributed()  # a one-process group, as the trainer makes
@@ -157,7 +158,7 @@ def test_ablation_table_from_reports_with_known_offsets(tmp_path):
     """Synthetic runs whose losses are the baseline's times 1.002 (fp8), 1.001 (fwd_x kept exact) and 1.0015 (adam_v
     kept in fp32); without an emulated run every Δ is against fp8; with one (1.0018), the FP8Linear component's Δ
     is against it and the optimizer's stays against fp8."""
-    from ling.compare import compare
+    from ling.analysis.compare import compare
     from scripts.ablation_table import table
     from tests.test_compare import _baseline, _config, write_run
 

@@ -563,7 +563,7 @@ def test_trimmed_state_rejected_and_elastic_config():
     opt.state[w]["exp_avg_scale"] = opt.state[w]["exp_avg_scale"][:-1]  # what an elastic trim would do
     with pytest.raises(RuntimeError, match="elastic"):
         opt.step()
-    from ling.engine import check_deepspeed_config
+    from ling.train.engine import check_deepspeed_config
 
     with pytest.raises(ValueError, match="elastic_checkpoint"):
         check_deepspeed_config({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "fp8_adamw")
@@ -625,7 +625,7 @@ def test_tiny_run_300_steps_matches_fp32_adamw():
 
 
 def test_state_from_moments_and_moment_slice_move_moments_between_partitions():
-    """What re-partitioning a checkpoint does (ling/reshard.py): per-element moments → the state a step would
+    """What re-partitioning a checkpoint does (ling/checkpoint/reshard.py): per-element moments → the state a step would
     write (E4M3 blocks of m and sqrt(v)) → any element range back, dequantized from only its blocks, equal to
     the whole tensor's dequantization; below min_fp8_numel the moments stay fp32 and move exactly."""
     gen = torch.Generator().manual_seed(7)

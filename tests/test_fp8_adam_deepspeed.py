@@ -3,7 +3,7 @@
 - 2 processes vs 1: the same global batches, so the only differences are the gradient reduction order and
   where the flat partitions cut the quantization blocks (each rank's partition starts a new block).
 - DeepSpeed save_checkpoint → fresh engine → load_checkpoint → continue equals never stopping, exactly.
-(elastic_checkpoint=true is refused by ling.engine before an engine exists: tests/test_config.py.)
+(elastic_checkpoint=true is refused by ling.train.engine before an engine exists: tests/test_config.py.)
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatc
     """One linear is fed underflowing inputs (a forward pre-hook, in every run alike); its alarm at the first
     sampled step switches it to high precision; a run resumed from a later checkpoint keeps it there and
     reproduces the uninterrupted run's losses exactly."""
-    import ling.trainer as trainer
+    import ling.train.trainer as trainer
 
     models = []
     real_build = trainer.build_engine

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from fp8.linear import FP8Linear
 from fp8.quant import quantize_128x128
-from ling.trainer import train
+from ling.train.trainer import train
 from tests.test_config import CONF
 
 
@@ -16,7 +16,7 @@ from tests.test_config import CONF
 def test_fp8_weight_cache_is_refreshed_after_each_deepspeed_step(stage, tmp_path, monkeypatch):
     """ZeRO-1/2 copy the updated weights in through `.data` (no autograd version bump): a stale cache would
     silently freeze every FP8 linear. After training, each cache must equal a fresh quantization."""
-    import ling.trainer as trainer
+    import ling.train.trainer as trainer
 
     engines = []
     real_build = trainer.build_engine

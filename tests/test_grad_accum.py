@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ling.engine import deepspeed_config
+from ling.train.engine import deepspeed_config
 from tests.test_fp8_adam_deepspeed import free_port
 
 pytest.importorskip("deepspeed")
@@ -39,7 +39,7 @@ def test_fp32_accumulation_is_exact_and_bf16_is_not():
         assert got[case]["rel_err"] < 1e-6, got
     assert got["2:null"]["rel_err"] > 1e-4 and got["1:null"]["rel_err"] > 1e-4, got  # what the fp32 default fixes
     assert got["3:fp32"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
-    # ZeRO-1 + fp32 is DeepSpeed's BF16_Optimizer; exact only because ling/engine.py makes it communicate in fp32
+    # ZeRO-1 + fp32 is DeepSpeed's BF16_Optimizer; exact only because ling/train/engine.py makes it communicate in fp32
     assert got["1:fp32"]["optimizer"] == "LeanBF16Optimizer" and got["1:null"]["optimizer"] == "DeepSpeedZeroOptimizer"
     # ling.engine's lean hook (a mixed-dtype in-place add) sums the same bits as DeepSpeed's own (cast, then add)
     assert got["1:fp32:stock"]["optimizer"] == "BF16_Optimizer"
@@ -48,7 +48,7 @@ def test_fp32_accumulation_is_exact_and_bf16_is_not():
 
 def test_across_two_ranks_zero1_fp32_is_exact_and_zero2_rounds_each_micro_batch_mean_to_bf16():
     """Data parallel over 2 ranks, each its own micro-batches: ZeRO-1 + fp32 (DeepSpeed's BF16_Optimizer) sums
-    in fp32 and all-reduces the sums once in fp32 (ling/engine.py sets communication_data_type); ZeRO-2 + fp32
+    in fp32 and all-reduces the sums once in fp32 (ling/train/engine.py sets communication_data_type); ZeRO-2 + fp32
     reduce-scatters every micro-batch's bf16 gradient in bf16 and only then sums in fp32, so each micro-batch's
     mean over ranks is rounded to bf16 once (one bf16 rounding, like a bf16 gradient's own; it does not compound
     like a bf16 running sum). `deepspeed.extra.communication_data_type=fp32` makes ZeRO-2 exact too."""
@@ -93,7 +93,7 @@ def test_config_defaults_and_refusals():
 def test_deepspeed_bf16_auto_true_false():
     import torch
 
-    from ling.engine import bf16_enabled
+    from ling.train.engine import bf16_enabled
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     cfg = OmegaConf.load(ROOT / "conf" / "deepspeed" / "zero2.yaml")

@@ -1,4 +1,5 @@
-"""HF interchange (ling/hf.py): the BailingMoeV2 layout, exact round trips, FP8 export, bad checkpoints, tokenizer."""
+"""HF interchange (ling/checkpoint/hf.py): the BailingMoeV2 layout, exact round trips, FP8 export, bad checkpoints,
+tokenizer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ling import hf
+from ling.checkpoint import hf
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 
@@ -84,7 +85,7 @@ def test_config_json_round_trip():
 
 
 # The published Ling-mini-2.0 checkpoint (inclusionAI/Ling-mini-2.0, BailingMoeV2): written down from the model
-# card's layout and the reference modeling code, independently of ling/hf.py.
+# card's layout and the reference modeling code, independently of ling/checkpoint/hf.py.
 def published_ling_mini_parameters() -> dict[str, tuple[int, ...]]:
     H, V, L, E, I_MOE, I_DENSE, HEAD, Q, KV = 2048, 157184, 20, 256, 512, 5120, 128, 16, 4
     out = {"model.word_embeddings.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
@@ -372,16 +373,17 @@ def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
 
 
 def test_cli_export_and_train_init_from(tmp_path):
-    """train 2 steps → `python -m ling.hf export` → train.init_from with lr 0: the new run's weights are exactly
-    the exported ones (so init_from loaded every tensor)."""
-    from ling.weights import find_checkpoint, read_model_state
+    """train 2 steps → `python -m ling.checkpoint.hf export` → train.init_from with lr 0: the new run's weights are
+    exactly the exported ones (so init_from loaded every tensor)."""
+    from ling.checkpoint.weights import find_checkpoint, read_model_state
 
     _train(tmp_path / "a", "train.steps=2")
-    proc = subprocess.run([sys.executable, "-m", "ling.hf", "export", str(tmp_path / "a"), str(tmp_path / "hf"),
-                           "--dtype", "fp32", "--max-shard-size", "1MB"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "export", str(tmp_path / "a"),
+                           str(tmp_path / "hf"), "--dtype", "fp32", "--max-shard-size", "1MB"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no tokenizer: synthetic data" in proc.stdout
-    check = subprocess.run([sys.executable, "-m", "ling.hf", "check", str(tmp_path / "hf")], cwd=ROOT,
+    check = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "check", str(tmp_path / "hf")], cwd=ROOT,
                            capture_output=True, text=True)
     assert check.returncode == 0 and "all present with the expected shapes" in check.stdout, check.stderr[-2000:]
 
@@ -398,7 +400,7 @@ def test_cli_export_and_train_init_from(tmp_path):
 def test_train_init_from_under_zero3_two_ranks(tmp_path):
     """ZeRO-3 partitions the parameters at construction; init_from gathers each one, writes it on rank 0 and
     re-partitions. Read back through zero_to_fp32 (the ZeRO-3 checkpoint path of ling.weights)."""
-    from ling.weights import find_checkpoint, read_model_state
+    from ling.checkpoint.weights import find_checkpoint, read_model_state
 
     _train(tmp_path / "a", "train.steps=1")
     state = read_model_state(find_checkpoint(tmp_path / "a").folder)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from ling.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
-from ling.trainer import train
+from ling.analysis.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
+from ling.train.trainer import train
 from tests.test_config import CONF
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len=32", "model.num_layers=2",
@@ -23,7 +23,7 @@ TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len
 
 def run(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[dict], list]:
     """train() on the tiny model; → (metrics.jsonl lines, the module's parameters)."""
-    import ling.trainer as trainer
+    import ling.train.trainer as trainer
 
     engines = []
     real_build = trainer.build_engine

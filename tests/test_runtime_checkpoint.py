@@ -1,4 +1,4 @@
-"""Checkpoint manifests, verification, fallback and rotation (ling/checkpoint.py), on a stand-in engine that
+"""Checkpoint manifests, verification, fallback and rotation (ling/checkpoint/store.py), on a stand-in engine that
 writes random shards the way DeepSpeed lays them out; the real engine is exercised in test_train_loop.py."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ling import checkpoint
-from ling.checkpoint import MANIFEST, newest_verified, rotate, tag_for, verify
+from ling.checkpoint import store as checkpoint
+from ling.checkpoint.layout import MANIFEST, tag_for
+from ling.checkpoint.store import newest_verified, rotate, verify
 
 
 class ShardWriter:

@@ -8,11 +8,12 @@ import torch
 
 from fp8.linear import FP8Linear
 from fp8.quant import quantize_128x128
-from ling.engine import build_engine, model_config_from
-from ling.guard import NonFiniteGuard, check_engine_can_skip
-from ling.launch import init_distributed
-from ling.preemption import StopSignals
-from ling.trainer import Trainer
+from ling.config import model_config_from
+from ling.ranks import init_distributed
+from ling.train.engine import build_engine
+from ling.train.guard import NonFiniteGuard, check_engine_can_skip
+from ling.train.preemption import StopSignals
+from ling.train.trainer import Trainer
 from tests.test_config import compose_cfg
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "train.seq_len=32",

@@ -13,10 +13,10 @@ import warnings
 
 import pytest
 
-from ling.launch import add_shared_run_overrides
-from ling.logger import setup_logging, truncate_metrics
-from ling.preemption import StopSignals
-from ling.rundir import RunDirBusy, RunDirLock, clear_previous_run, locked_run_dir, previous_run
+from ling.train.launch import add_shared_run_overrides
+from ling.train.logger import setup_logging, truncate_metrics
+from ling.train.preemption import StopSignals
+from ling.train.rundir import RunDirBusy, RunDirLock, clear_previous_run, locked_run_dir, previous_run
 
 
 def test_rank0_logs_reach_train_log_and_the_console_without_library_noise(tmp_path, capsys):
@@ -26,7 +26,7 @@ def test_rank0_logs_reach_train_log_and_the_console_without_library_noise(tmp_pa
         logging.getLogger("data.pack").warning("packed cache damaged; rebuilding it")
         logging.getLogger("DeepSpeed").warning("You are using ZeRO with an untested optimizer")
         logging.getLogger("DeepSpeed").info("DeepSpeed chatter below its level")
-        logging.getLogger("ling.trainer").info("resumed from step 3")
+        logging.getLogger("ling.train.trainer").info("resumed from step 3")
         logging.getLogger("data.pack").warning("packed cache damaged; rebuilding it")  # a repeat
         warnings.warn("`all_gather_into_tensor` is deprecated", FutureWarning, stacklevel=1)
     log = (tmp_path / "train.log").read_text()
@@ -116,7 +116,7 @@ def test_wandb_logging_without_the_package_names_the_config_key(tmp_path, monkey
 
     from omegaconf import OmegaConf
 
-    from ling.logger import MetricsLogger
+    from ling.train.logger import MetricsLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     cfg = OmegaConf.create({"run_name": "r", "logging": {"jsonl": False, "progress_bar": False,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ling.schedule import lr_multiplier
+from ling.train.schedule import lr_multiplier
 
 
 def test_warmup_then_cosine_to_floor():

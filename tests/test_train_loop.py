@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ling.checkpoint import verify
-from ling.rundir import RunDirLock
+from ling.checkpoint.store import verify
+from ling.train.rundir import RunDirLock
 from tests.test_runtime_checkpoint import overwrite_4k
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +304,7 @@ def check_resume_from_step_2(tmp_path: Path, nproc: int, overrides: list[str]) -
 @pytest.mark.slow
 def test_bf16_zero1_with_fp32_accumulation_trains_on_two_processes_and_resumes_exactly(tmp_path):
     """deepspeed=zero1 in bf16 (deepspeed.bf16=true runs bf16 on CPU) is DeepSpeed's BF16_Optimizer with fp32
-    gradient sums and an fp32 all-reduce (ling/engine.py): the FP8 model with FP8AdamW trains through it on 2
+    gradient sums and an fp32 all-reduce (ling/train/engine.py): the FP8 model with FP8AdamW trains through it on 2
     ranks with gradient accumulation, and a resume from its checkpoint reproduces the losses bit for bit."""
     bf16 = ["deepspeed=zero1", "deepspeed.bf16=true", "precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0",
             "train.steps=4", "train.micro_batch_size=1", "train.grad_accum=2"]

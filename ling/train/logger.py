@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from ling.checkpoint import atomic_write
+from ling.files import atomic_write
 
 log = logging.getLogger("ling")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -3,7 +3,7 @@ so that an FP8-vs-BF16 difference is FP8's own and not GPU kernel nondeterminism
 
 What it sets, for the duration of a run (restored afterwards):
 - `CUBLAS_WORKSPACE_CONFIG=:4096:8` (cuBLAS picks its reduction order per workspace; must be set before the
-  first cuBLAS call, so `ling.trainer.train` enters this before building anything; an explicit value other
+  first cuBLAS call, so `ling.train.trainer.train` enters this before building anything; an explicit value other
   than the two deterministic ones is refused);
 - `torch.use_deterministic_algorithms(True)` (strict: an op without a deterministic implementation raises and
   names itself). It also makes SDPA's flash and memory-efficient backward use their deterministic

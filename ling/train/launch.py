@@ -3,15 +3,14 @@ unique name, and how a run ends (StopRun: a message and an exit code, no traceba
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import secrets
 import sys
 import time
 
-log = logging.getLogger(__name__)
+import torch.distributed as dist
+
+from ling.ranks import env_rank, env_world_size, init_distributed
 
 
 class StopRun(Exception):
@@ -37,45 +36,6 @@ def strip_local_rank_arg(argv: list[str] | None = None) -> None:
             i += 1
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def global_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed() -> None:
-    """Initialise torch.distributed once from the launcher's environment (NCCL on GPU, gloo on CPU);
-    without a launcher, a one-process group (DeepSpeed needs one)."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    import deepspeed
-
-    if "RANK" not in os.environ:  # plain `python train.py`: a one-process group on a free local port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    printed = io.StringIO()  # DeepSpeed prints "... built successfully" for its CPU comm op on every rank
-    with contextlib.redirect_stdout(printed):
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if printed.getvalue().strip():
-        log.debug("deepspeed.init_distributed: %s", printed.getvalue().strip())
-
-
 def unique_run_name() -> str:
     """Start time plus 24 random bits: two runs started in the same second still get their own directory."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
@@ -88,11 +48,9 @@ def add_shared_run_overrides(argv: list[str] | None = None) -> None:
     argv = sys.argv if argv is None else argv
     given = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("run_name=")), None)
     name = [given or unique_run_name()]
-    if world_size() > 1:
-        import torch.distributed as dist
-
+    if env_world_size() > 1:
         init_distributed()
         dist.broadcast_object_list(name, src=0)
     argv[:] = [a for a in argv if not a.startswith("run_name=")] + [f"run_name={name[0]}"]
-    if global_rank() != 0:
+    if env_rank() != 0:
         argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]

@@ -35,18 +35,16 @@ from typing import Any
 
 import torch
 
-from ling.checkpoint import EXPERT_SHARD, TRAINER_STATE, rank_world
-from ling.weights import MODEL_STATES
-
-ZERO_FILE = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # DeepSpeed prefixes "bf16_" when bf16 is enabled
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from fp8.adam import MOMENTS, FP8AdamW, moment_slice, state_from_moments
+from ling.checkpoint.layout import EXPERT_SHARD, MODEL_STATES, TRAINER_STATE, ZERO_OPTIM_STATES
+from ling.ranks import rank_world
 
 
 def zero_file(folder: Path, rank: int) -> Path:
     """Rank `rank`'s ZeRO-1/2 optimizer file in a checkpoint folder: DeepSpeed names it `bf16_zero_pp_rank_…`
     when the run trained in bf16 (ZeRO-2 and ZeRO-1's BF16_Optimizer alike: every GPU run) and `zero_pp_rank_…`
     otherwise."""
-    plain = folder / ZERO_FILE.format(rank=rank)
+    plain = folder / ZERO_OPTIM_STATES.format(rank=rank)
     for path in (folder / f"bf16_{plain.name}", plain):
         if path.is_file():
             return path
@@ -125,16 +123,12 @@ class SavedZeroState:
 
 def _moment_slice(state: dict[str, Any], group: dict[str, Any], key: str, start: int, n: int) -> torch.Tensor:
     if "block_size" in group:  # FP8AdamW
-        from fp8.adam import moment_slice
-
         return moment_slice(state, key, start, n, int(group["block_size"]))
     return state[key][start : start + n]
 
 
 def _new_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], m: torch.Tensor, v: torch.Tensor,
                step: float) -> dict[str, Any]:  # fmt: skip
-    from fp8.adam import FP8AdamW, state_from_moments
-
     if isinstance(optimizer, FP8AdamW):
         return state_from_moments(m, v, step, int(group["block_size"]), int(group["min_fp8_numel"]),
                                   optimizer.fp32_moments)  # an ablated moment (fp8.ablate adam_m / adam_v) in fp32

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -22,10 +21,18 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from model.ling import shift_left
+from data import build_loader
+from fp8.linear import ABLATION_COMPONENTS, EMULATED
+from ling.analysis.step_error import format_step_errors, step_errors
+from ling.checkpoint.hf import load_hf_checkpoint, read_hf_config
+from ling.checkpoint.weights import config_changes, find_checkpoint, load_into, read_model_state
+from ling.config import EXPERTS_ABLATION, apply_fp8_ablation, fp8_model_options, model_config_from, resolve_device
+from ling.files import atomic_write
+from ling.ranks import env_world_size, init_distributed
+from model.ling import LingForCausalLM, shift_left
+from model.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-MODES = ("loss", "step_error")  # eval.py mode=: held-out metrics | FP8's one-step error (ling/step_error.py)
+MODES = ("loss", "step_error")  # eval.py mode=: held-out metrics | FP8's one-step error (ling/analysis/step_error.py)
 _ROWS_PER_CHUNK = 4  # sequences per CE chunk: bounds the fp32 copy of the logits (rows x T x V)
 
 
@@ -152,11 +159,9 @@ def _is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "resolved_config.yaml").is_file()
 
 
-def _atomic_write_json(path: Path, data: Mapping[str, Any]) -> None:
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Any]:
@@ -165,21 +170,13 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     cfg (conf/eval.yaml): checkpoint, tag, split, batches, micro_batch_size, seq_len, device, dtype, output,
     progress_bar, and optionally the groups `model`, `data`, `precision` (+ `fp8`) to override the run's.
     """
-    from data import build_loader
-    from ling.engine import fp8_model_options, model_config_from
-    from ling.launch import init_distributed, world_size
-    from ling.weights import config_changes, find_checkpoint, load_into, read_model_state
-    from model.ling import LingForCausalLM
-
-    if world_size() > 1:
+    if env_world_size() > 1:
         init_distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     t0 = time.perf_counter()
     source = Path(str(cfg.checkpoint))
     precision = OmegaConf.select(cfg, "precision.name")
     if _is_hf_dir(source):
-        from ling.hf import load_hf_checkpoint, read_hf_config
-
         if cfg.get("data") is None or cfg.get("seq_len") is None:
             raise ValueError(f"checkpoint={source} is an HF export (no run config): give data=... and seq_len=...")
         run_cfg = OmegaConf.create({"data": cfg.data, "train": {"seq_len": cfg.seq_len, "seed": 0,
@@ -208,8 +205,6 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown (known: {', '.join(MODES)})")
     device_cfg = OmegaConf.create({"train": {"device": cfg.device}})
-    from ling.engine import resolve_device
-
     device = resolve_device(device_cfg)
     # step_error: the fp32 reference holds the checkpoint's weights exactly; its bf16 / fp8 twins are cast from it
     dtype = torch.float32 if mode == "step_error" else _dtype(str(cfg.dtype), device)
@@ -243,7 +238,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     }
     if rank == 0:
         out = Path(cfg.output) if cfg.get("output") else out_default
-        _atomic_write_json(out, record)
+        _write_json(out, record)
         record["output"] = str(out)
         print(format_metrics(record))
     return record
@@ -252,9 +247,6 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
 def _step_error_ablations(cfg: DictConfig) -> list[frozenset[str]]:
     """`step_error_ablate`: entries of comma-separated FP8 components (README "FP8 ablation"), each one more FP8
     copy with those components in high precision."""
-    from fp8.linear import ABLATION_COMPONENTS
-    from ling.engine import EXPERTS_ABLATION
-
     known = (*ABLATION_COMPONENTS, EXPERTS_ABLATION)
     out = []
     for entry in cfg.get("step_error_ablate") or ():
@@ -270,12 +262,7 @@ def _step_error_ablations(cfg: DictConfig) -> list[frozenset[str]]:
 
 def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, batches: Iterable, steps: int,
                     device: torch.device, out_default: Path, source: Path, tag: Any, step: Any) -> dict[str, Any]:
-    """eval.py mode=step_error (ling/step_error.py): the loaded fp32 model, its bf16 twin and its FP8 twin."""
-    from fp8.linear import ABLATION_COMPONENTS, EMULATED
-    from ling.engine import apply_fp8_ablation, fp8_model_options
-    from ling.step_error import format_step_errors, step_errors
-    from model.ling import LingForCausalLM
-
+    """eval.py mode=step_error (ling/analysis/step_error.py): the loaded fp32 model, its bf16 twin and its FP8 twin."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("mode=step_error runs on one process (launch it with python, not torchrun)")
     fp8 = fp8_model_options(cfg.fp8) if cfg.get("fp8") else {}
@@ -306,7 +293,7 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
               "device": device.type, **step_errors(models, batches, device, steps, baselines)}
     record["seconds"] = time.perf_counter() - t0
     out = Path(cfg.output) if cfg.get("output") else out_default
-    _atomic_write_json(out, record)
+    _write_json(out, record)
     record["output"] = str(out)
     print(format_step_errors(record))
     return record

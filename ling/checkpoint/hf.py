@@ -10,8 +10,8 @@ a `config.json` with BailingMoeV2Config's field names, safetensors shards with a
 Import (`load_hf_checkpoint`): the same layout back, one file or sharded, any float dtype, exact; each tensor
 is read lazily (one parameter at a time), so a rank never holds a second copy of the model.
 
-    python -m ling.hf export runs/NAME OUT_DIR [--fp8] [--dtype bf16|fp32] [--max-shard-size 5GB]
-    python -m ling.hf check HF_DIR            # names, shapes and config against our model; prints a summary
+    python -m ling.checkpoint.hf export runs/NAME OUT_DIR [--fp8] [--dtype bf16|fp32] [--max-shard-size 5GB]
+    python -m ling.checkpoint.hf check HF_DIR            # names, shapes and config against our model; prints a summary
 """
 
 from __future__ import annotations
@@ -22,17 +22,23 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from ling.weights import name_list
+from data.tokenizer import Tokenizer
+from fp8.quant import BLOCK, dequantize_128x128, quantize_128x128
+from ling.checkpoint.weights import find_checkpoint, name_list, read_model_state, run_tokenizer
 from model.config import ModelConfig
+from model.ling import LingForCausalLM
 
 MODEL_TYPE = "bailing_moe"
 ARCHITECTURE = "BailingMoeV2ForCausalLM"
@@ -44,7 +50,6 @@ AUTO_MAP = {
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 naming: `<linear>.weight_scale_inv`, dequantized = weight · scale_inv
-FP8_BLOCK = 128
 OWN_KEY = "ling_fp8"  # config.json sub-dict with our training-only settings (ignored by the reference)
 # linears stored in FP8 by `fp8=True` (as DeepSeek-V3 / Ling): attention, dense MLP, experts, shared experts.
 # Embeddings, LM head, norms, the router and MTP's eh_proj stay in high precision.
@@ -213,8 +218,6 @@ def tensor_map(name: str, config: ModelConfig) -> TensorMap:
 
 def state_dict_names(config: ModelConfig) -> list[tuple[str, torch.Size]]:
     """Our state_dict keys and shapes for `config`, from a model built on the meta device (no memory)."""
-    from model.ling import LingForCausalLM
-
     with torch.device("meta"):
         model = LingForCausalLM(config.replace(precision="bf16", ep_size=1))  # whole expert stacks
     return [(k, v.shape) for k, v in model.state_dict().items()]
@@ -266,8 +269,6 @@ def is_fp8_linear(hf_name: str) -> bool:
 
 def quantize_for_export(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The FP8 linears → E4M3 weight + fp32 [ceil(N/128), ceil(K/128)] `weight_scale_inv`; the rest unchanged."""
-    from fp8.quant import quantize_128x128
-
     out: dict[str, torch.Tensor] = {}
     for name, t in hf_sd.items():
         if is_fp8_linear(name):
@@ -279,8 +280,6 @@ def quantize_for_export(hf_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    from fp8.quant import dequantize_128x128
-
     return dequantize_128x128(q, scale, torch.float32)
 
 
@@ -323,8 +322,6 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, out_dir
     linears as E4M3 + `weight_scale_inv` (the rest in `dtype`). tokenizer: a sentencepiece `.model` or an HF
     `tokenizer.json` to ship beside the weights. Written into a temporary sibling folder and renamed into
     place, so `out_dir` is either the complete export or untouched."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder or pass overwrite=True (--overwrite)")
@@ -357,7 +354,7 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, out_dir
         if fp8:
             conf["quantization_config"] = {
                 "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                "weight_block_size": [BLOCK, BLOCK],
                 "modules_to_not_convert": sorted({k.rsplit(".", 1)[0] for k in names
                                                   if k.endswith(".weight") and hf_sd[k].dim() == 2
                                                   and not is_fp8_linear(k)}),
@@ -391,8 +388,6 @@ def _make_readable(folder: Path) -> None:
 
 
 def _tokenizer_ids(path: str) -> dict[str, Any]:
-    from data.tokenizer import Tokenizer
-
     tok = Tokenizer(path)
     ids = {"eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id,
            "unk_token_id": tok.unk_id}
@@ -426,8 +421,6 @@ class HFReader:
     """Lazy access to the tensors of an HF checkpoint folder (one `model.safetensors`, or shards + index)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"HF checkpoint {self.path}: no such folder")
@@ -531,16 +524,6 @@ def read_tensor(reader: HFReader, m: TensorMap, dequantize_fp8: bool = False) ->
     return join_tensors(m, parts)
 
 
-def iter_state_dict(path: str | os.PathLike, config: ModelConfig | None = None, *,
-                    dequantize_fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) for every tensor of an HF checkpoint, checked against `config` (default: the one
-    its config.json describes), one tensor at a time."""
-    with HFReader(path) as reader:
-        config = config or model_config_from_hf(reader.config)
-        for m in check_tensors(reader, config, dequantize_fp8=dequantize_fp8):
-            yield m.ours, read_tensor(reader, m, dequantize_fp8)
-
-
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     conf = Path(path) / "config.json"
     if not conf.is_file():
@@ -570,8 +553,8 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: boo
 
 def _assign(target: torch.Tensor, value: torch.Tensor) -> None:
     if hasattr(target, "ds_id"):  # a ZeRO-3 partitioned parameter: gather, write on rank 0, re-partition
+        # imported on use: the export and check CLIs never need DeepSpeed, whose import takes seconds
         import deepspeed
-        import torch.distributed as dist
 
         with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -590,7 +573,7 @@ def _dtype(name: str) -> torch.dtype | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ling.hf", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ling.checkpoint.hf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="a training checkpoint → a BailingMoeV2 HF folder")
     ex.add_argument("checkpoint", help="run dir (runs/NAME), its checkpoints folder, or one checkpoint folder")
@@ -605,8 +588,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.cmd == "export":
-        from ling.weights import find_checkpoint, read_model_state, run_tokenizer
-
         ref = find_checkpoint(args.checkpoint)
         state = read_model_state(ref.folder)
         config = ref.model_config(state)

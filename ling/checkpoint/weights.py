@@ -1,6 +1,6 @@
 """Model weights and the run config of a training checkpoint, read without an engine or the optimizer.
 
-A checkpoint (ling/checkpoint.py) is DeepSpeed's folder `<ckpt dir>/<tag>/`: under ZeRO 0-2 one
+A checkpoint (ling/checkpoint/store.py) is DeepSpeed's folder `<ckpt dir>/<tag>/`: under ZeRO 0-2 one
 `mp_rank_00_model_states.pt` holds the whole module state (parameters in the training dtype + buffers such
 as the expert bias); under ZeRO-3 the module is partitioned and DeepSpeed's `zero_to_fp32` rebuilds it from
 the fp32 partitions. With expert parallelism (moe.ep_size > 1) the expert stacks are joined from the
@@ -10,6 +10,7 @@ run's `resolved_config.yaml` (in its run dir) gives the model and data config.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +18,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from data.config import DataConfig
+from data.corpus import fingerprint, load_corpus
+from data.tokenizer import get_tokenizer
+from ling.checkpoint.layout import MODEL_STATES, RESOLVED_CONFIG, ZERO3_MODEL_STATES
+from ling.checkpoint.store import newest_verified, read_expert_shards
+from ling.config import model_config_from
 from model.config import ModelConfig
-
-MODEL_STATES = "mp_rank_00_model_states.pt"
-ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-RESOLVED_CONFIG = "resolved_config.yaml"
 
 
 @dataclass
@@ -40,8 +43,6 @@ class CheckpointRef:
     def model_config(self, state: dict[str, torch.Tensor] | None = None, precision: str | None = None) -> ModelConfig:
         """The run's ModelConfig, optionally in another precision; a null `model.vocab_size` is read from
         the embedding in `state` (the checkpoint's weights, read when not given)."""
-        from ling.engine import model_config_from
-
         cfg = self.config.copy()
         vocab = OmegaConf.select(cfg, "model.vocab_size")
         if vocab is None:
@@ -59,8 +60,6 @@ def find_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Checkpoi
     """Locate a checkpoint from a run dir (runs/NAME: its latest checkpoint), a checkpoints folder (its
     newest verified checkpoint, or `tag`) or one checkpoint folder (…/stepXXXXXXXX). Raises naming what is
     missing."""
-    from ling.checkpoint import newest_verified
-
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"checkpoint {p}: no such folder")
@@ -97,14 +96,13 @@ def read_model_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The module state_dict (parameters and persistent buffers, on CPU) of one DeepSpeed checkpoint folder."""
     folder = Path(folder)
     if (folder / MODEL_STATES).is_file():
-        from ling.checkpoint import read_expert_shards
-
         states = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
         if "module" not in states or states["module"] is None:
             raise ValueError(f"{folder / MODEL_STATES}: no 'module' entry (not a DeepSpeed model-states file)")
         # expert parallelism: the model-states file holds expert-parallel rank 0's experts; the shards hold all
         return {**states["module"], **read_expert_shards(folder)}
     if (folder / ZERO3_MODEL_STATES).is_file():
+        # imported on use: DeepSpeed's import takes seconds, and only ZeRO-3 checkpoints need it
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name))
@@ -119,8 +117,6 @@ def name_list(names: list[str], limit: int = 10) -> str:
 
 def config_changes(saved: ModelConfig, asked: ModelConfig) -> list[str]:
     """'model.hidden_size: 128 in the checkpoint's run, 256 asked' for each ModelConfig field that differs."""
-    import dataclasses
-
     return [f"model.{f.name}: {getattr(saved, f.name)!r} in the checkpoint's run, {getattr(asked, f.name)!r} asked"
             for f in dataclasses.fields(ModelConfig) if getattr(saved, f.name) != getattr(asked, f.name)]
 
@@ -149,10 +145,6 @@ def run_tokenizer(cfg: DictConfig) -> str | None:
     name = OmegaConf.select(cfg, "data.name")
     if name not in ("bundled", "files"):
         return None
-    from data.config import DataConfig
-    from data.corpus import fingerprint, load_corpus
-    from data.tokenizer import get_tokenizer
-
     dcfg = DataConfig.from_mapping(cfg.data)
     if dcfg.tokenizer.model:
         return get_tokenizer(dcfg.tokenizer, None, "", dcfg.cache_path).model_path

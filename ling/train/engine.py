@@ -13,59 +13,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterable
 from typing import Any
 from unittest import mock
 
+import deepspeed
 import torch
-from omegaconf import DictConfig, OmegaConf
+import torch.distributed as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import groups as ds_groups
+from omegaconf import DictConfig
 from torch import nn
 
+from fp8.adam import FP8AdamW
 from fp8.linear import invalidate_fp8_weight_caches
-from ling.schedule import lr_multiplier
+from ling.checkpoint.hf import load_hf_checkpoint
+from ling.config import ADAM_ABLATIONS, apply_fp8_ablation, fp8_ablation, plain_dict
+from ling.train.schedule import lr_multiplier
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 
-MOE_KEYS = {"pad_for_fp8": "pad_for_fp8", "pad_multiple": "moe_pad_multiple", "ep_size": "ep_size"}  # → ModelConfig
 OPTIM_KEYS = {"name", "lr", "betas", "eps", "weight_decay", "grad_clip", "schedule", "warmup_steps",
               "min_lr_ratio", "decay_fraction"}
 FP8_OPTIM_KEYS = {"block_size", "min_fp8_numel", "rounding"}
-# `fp8.ablate`: FP8 components kept in high precision, one switch each (README "FP8 ablation"): the FP8Linear
-# GEMM operands (fp8.linear.ABLATION_COMPONENTS), the routed experts as a whole, FP8AdamW's two moments.
-ADAM_ABLATIONS = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}
-EXPERTS_ABLATION = "experts"
-
-
-def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> ModelConfig:
-    """The `model` node + the `moe`/`precision`/`fp8` nodes → ModelConfig; vocab follows the data when null."""
-    d: dict[str, Any] = OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[assignment]
-    moe = _as_dict(cfg.get("moe"))  # absent in configs written before the node existed: the defaults
-    unknown = sorted(set(moe) - set(MOE_KEYS))
-    if unknown:
-        raise ValueError(f"moe.{unknown[0]}: unknown key (known: {', '.join(sorted(MOE_KEYS))})")
-    for key, field in MOE_KEYS.items():
-        if field in d:
-            raise ValueError(f"model.{field}: set moe.{key} instead (the moe node carries it into the model)")
-        if key in moe:
-            d[field] = moe[key]
-    d["precision"] = cfg.precision.name
-    d.update(fp8_model_options(cfg.fp8))
-    if d.get("vocab_size") is None:
-        if vocab_size_from_data is None:
-            raise ValueError("model.vocab_size is null and the data source reports no vocab size")
-        d["vocab_size"] = vocab_size_from_data
-    elif vocab_size_from_data is not None and d["vocab_size"] < vocab_size_from_data:
-        raise ValueError(f"model.vocab_size={d['vocab_size']} is smaller than the tokenizer's vocab "
-                         f"({vocab_size_from_data}); set model.vocab_size=null to follow the tokenizer")
-    return ModelConfig.from_dict(d)
-
-
-def fp8_model_options(fp8: DictConfig) -> dict[str, Any]:
-    """The `fp8` node's model options → ModelConfig fields (`fp8.expert_wgrad`, absent from run configs written
-    before it existed: the recipe's "fp8")."""
-    return {"fp8_recipe": fp8.recipe, "fp8_pow2_scales": bool(fp8.pow2_scales),
-            "fp8_expert_wgrad": str(fp8.get("expert_wgrad", "fp8"))}
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -78,9 +48,6 @@ def expert_parallel_group(ep_size: int, zero_stage: int):
     groups API together with the expert-data-parallel groups ZeRO reduces the experts over."""
     if ep_size == 1:
         return None
-    import torch.distributed as dist
-    from deepspeed.utils import groups
-
     if zero_stage not in (1, 2):
         raise ValueError(f"moe.ep_size={ep_size} needs deepspeed.zero_stage 1 or 2 (got {zero_stage}): DeepSpeed "
                          "reduces MoE parameter groups over their expert-data-parallel group only under ZeRO-1/2")
@@ -88,8 +55,8 @@ def expert_parallel_group(ep_size: int, zero_stage: int):
     if world % ep_size:
         raise ValueError(f"moe.ep_size={ep_size} does not divide the world size ({world} ranks): the experts are "
                          "split over groups of ep_size consecutive ranks")
-    groups._create_expert_and_data_parallel(ep_size)  # no-op when they exist
-    return groups._get_expert_parallel_group(expert_group_name(ep_size))
+    ds_groups._create_expert_and_data_parallel(ep_size)  # no-op when they exist
+    return ds_groups._get_expert_parallel_group(expert_group_name(ep_size))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -106,43 +73,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def moe_param_groups(model: LingForCausalLM, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mark the expert stacks as DeepSpeed MoE parameters and move them into MoE parameter groups (same
     hyper-parameters as the group each came from, `moe: True`, named after their expert-parallel group)."""
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
     for _, p in model.expert_parameters():
         p.allreduce = False
         p.group_name = expert_group_name(model.config.ep_size)
     return split_params_into_different_moe_groups_for_optimizer(groups)
-
-
-def fp8_ablation(cfg: DictConfig) -> frozenset[str]:
-    """The validated `fp8.ablate` list (empty when absent)."""
-    from fp8.linear import ABLATION_COMPONENTS
-
-    ablate = frozenset(cfg.fp8.get("ablate") or ())
-    known = (*ABLATION_COMPONENTS, EXPERTS_ABLATION, *ADAM_ABLATIONS)
-    unknown = sorted(ablate - set(known))
-    if unknown:
-        raise ValueError(f"fp8.ablate: unknown component(s) {unknown}; known: {list(known)}")
-    if ablate & set(ADAM_ABLATIONS) and cfg.optim.name != "fp8_adamw":
-        raise ValueError(f"fp8.ablate={sorted(ablate)}: adam_m / adam_v need optim=fp8_adamw, got "
-                         f"optim.name={cfg.optim.name!r}")
-    linear = ablate - set(ADAM_ABLATIONS)
-    if linear and cfg.precision.name != "fp8":
-        raise ValueError(f"fp8.ablate={sorted(linear)} needs precision=fp8 (got precision={cfg.precision.name})")
-    return ablate
-
-
-def apply_fp8_ablation(model: nn.Module, ablate: frozenset[str]) -> None:
-    """Switch the model's FP8 components named in `ablate` to high precision (FP8Linear operands; the routed
-    experts' grouped GEMMs with "experts")."""
-    from fp8.linear import ABLATION_COMPONENTS, FP8Linear
-    from model.moe import GroupedExperts
-
-    for m in model.modules():
-        if isinstance(m, FP8Linear):
-            m.set_ablation(ablate & set(ABLATION_COMPONENTS))
-        elif isinstance(m, GroupedExperts) and EXPERTS_ABLATION in ablate:
-            m.fp8 = False  # the bf16 grouped-GEMM path (torch._grouped_mm), same weights
 
 
 def check_deepspeed_config(ds_config: dict[str, Any], optim_name: str) -> None:
@@ -174,18 +108,10 @@ def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig,
         on_cuda = any(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, **common, fused=True if on_cuda else None)
     if optim.name == "fp8_adamw":
-        from fp8.adam import FP8AdamW
-
         return FP8AdamW(groups, **common, block_size=int(optim.block_size), min_fp8_numel=int(optim.min_fp8_numel),
                         rounding=str(optim.get("rounding", "stochastic")),
                         fp32_moments=[ADAM_ABLATIONS[a] for a in sorted(ablate & set(ADAM_ABLATIONS))])
     raise ValueError(f"optim.name={optim.name!r} is unknown (known: adamw, fp8_adamw)")
-
-
-def _as_dict(node: Any) -> dict[str, Any]:
-    if node is None:
-        return {}
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
 
 
 GRAD_ACCUM_DTYPES = ("fp32", "bf16")
@@ -195,13 +121,13 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
     """The DeepSpeed JSON config from `train`, `optim` and `deepspeed` nodes."""
     ds = cfg.deepspeed
     zero: dict[str, Any] = {"stage": int(ds.zero_stage)}
-    zero.update(_as_dict(ds.get("zero_extra")))
+    zero.update(plain_dict(ds.get("zero_extra")))
     conf: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": int(cfg.train.micro_batch_size),
         "gradient_accumulation_steps": int(cfg.train.grad_accum),
         "gradient_clipping": float(cfg.optim.grad_clip),
         "zero_optimization": zero,
-        # skip a step whose gradients are not finite (the non-finite guard relies on it, ling/guard.py)
+        # skip a step whose gradients are not finite (the non-finite guard relies on it, ling/train/guard.py)
         "bf16": {"enabled": use_bf16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -225,30 +151,14 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
             conf["bf16"]["immediate_grad_update"] = True
         if use_bf16:  # fp32 runs accumulate in fp32 anyway
             conf["data_types"] = {"grad_accum_dtype": accum}
-    conf.update(_as_dict(ds.get("extra")))
+    conf.update(plain_dict(ds.get("extra")))
     return conf
-
-
-def resolve_device(cfg: DictConfig) -> torch.device:
-    want = cfg.train.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("train.device=cuda but CUDA is not available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if want != "cpu":
-        raise ValueError(f"train.device={want!r} is unknown (known: auto, cpu, cuda)")
-    return torch.device("cpu")
 
 
 def init_partitioned_parameters(model: LingForCausalLM) -> None:
     """Under `zero.Init` each module's parameters are partitioned as soon as the module is built, so the
     model's own initialisation ran on empty shards. Gather each parameter, initialise it on rank 0 and let
     DeepSpeed scatter the result (one parameter at a time, so no rank ever holds the whole model)."""
-    import deepspeed
-    import torch.distributed as dist
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
@@ -262,7 +172,7 @@ def _expert_parallel_engine() -> type:
     parameter groups) only when the model contains DeepSpeed's own `deepspeed.moe.layer.MoE` modules, which
     ours are not. This subclass raises that flag while the ZeRO optimizer (or, for ZeRO-1 + bf16 + fp32
     accumulation, the BF16_Optimizer) is built and lowers it again, so that checkpoints keep DeepSpeed's plain
-    layout (ling/checkpoint.py writes the experts beside it). The BF16_Optimizer leaves the boundary all-reduce to
+    layout (ling/checkpoint/store.py writes the experts beside it). The BF16_Optimizer leaves the boundary all-reduce to
     the engine, which reduces the expert gradients over their expert-data-parallel groups only under the flag:
     it is raised for that call too (without it the experts were averaged over every rank, experts of other
     expert-parallel ranks included; tests/test_expert_parallel.py)."""
@@ -325,7 +235,6 @@ def initialize_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config
     ZeRO-1's BF16_Optimizer with the lean gradient hook (`_lean_bf16_optimizer`) and, with `expert_parallel`,
     the ExpertParallelEngine (`_expert_parallel_engine`). The trainer, the benchmarks and the tests build their
     engines here, so that they all run the same gradient path. → deepspeed.initialize's tuple."""
-    import deepspeed
     from deepspeed.runtime import engine as ds_engine
 
     with contextlib.ExitStack() as stack:
@@ -349,8 +258,6 @@ def bf16_enabled(cfg: DictConfig, device: torch.device) -> bool:
 
 def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.device):
     """→ (DeepSpeed engine, LambdaLR scheduler). bf16 per `deepspeed.bf16` (bf16_enabled); ZeRO stage from config."""
-    import deepspeed
-
     use_bf16 = bf16_enabled(cfg, device)
     ep_group = expert_parallel_group(model_config.ep_size, int(cfg.deepspeed.zero_stage))
     ds_config = deepspeed_config(cfg, use_bf16)
@@ -364,8 +271,6 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
         with torch.device(device):
             model = LingForCausalLM(model_config, ep_group)
     if cfg.train.get("init_from"):  # start from an HF (BailingMoeV2) checkpoint: exported or published weights
-        from ling.hf import load_hf_checkpoint
-
         load_hf_checkpoint(model, cfg.train.init_from)
     apply_fp8_ablation(model, ablate)
     groups = param_groups(model, float(cfg.optim.weight_decay))

@@ -14,7 +14,7 @@ import signal
 import time
 from types import FrameType
 
-from ling.launch import StopRun
+from ling.train.launch import StopRun
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

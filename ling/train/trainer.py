@@ -21,23 +21,27 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from data import build_loader
 from data.config import DataError
 from fp8.monitor import FP8Monitor, MonitorConfig
-from ling import checkpoint
-from ling.checkpoint import atomic_write, broadcast, rank_world
-from ling.determinism import deterministic_mode
-from ling.engine import build_engine, model_config_from, resolve_device
-from ling.evaluate import evaluate
-from ling.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
-from ling.launch import StopRun, init_distributed
-from ling.logger import MetricsLogger, setup_logging, truncate_metrics
-from ling.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
-from ling.preemption import Preempted, StopSignals
-from ling.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
-from ling.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
+from ling.analysis.evaluate import evaluate
+from ling.analysis.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
+from ling.checkpoint import store as checkpoint
+from ling.checkpoint.layout import MANIFEST, PARTIAL, RESOLVED_CONFIG, step_of
+from ling.config import model_config_from, resolve_device
+from ling.files import atomic_write
+from ling.ranks import barrier, broadcast, init_distributed, rank_world
+from ling.train.determinism import deterministic_mode
+from ling.train.engine import build_engine
+from ling.train.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
+from ling.train.launch import StopRun
+from ling.train.logger import MetricsLogger, setup_logging, truncate_metrics
+from ling.train.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
+from ling.train.preemption import Preempted, StopSignals
+from ling.train.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
 from model.layers import scope
 from model.ling import count_parameters
 from model.moe import update_expert_biases
@@ -51,8 +55,6 @@ class CheckpointError(StopRun):
 
 
 def run_dir_from_hydra() -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
     return Path(HydraConfig.get().runtime.output_dir)
 
 
@@ -153,7 +155,7 @@ class Trainer:
                 log.info("metrics.jsonl: dropped %d lines after step %d (they are trained again)", dropped,
                          self.start_step)
             resolved = OmegaConf.to_yaml(cfg, resolve=True)
-            atomic_write(run_dir / "resolved_config.yaml", lambda tmp: tmp.write_text(resolved))
+            atomic_write(run_dir / RESOLVED_CONFIG, lambda tmp: tmp.write_text(resolved))
         self.logger = MetricsLogger(cfg, run_dir, self.total_steps, self.start_step, enabled=self.rank == 0)
 
         self.accum = int(tc.grad_accum)
@@ -189,12 +191,12 @@ class Trainer:
             if self.rank == 0:
                 log.warning("train.overwrite=true: deleting the earlier run in %s (%s)", self.run_dir, "; ".join(found))
                 clear_previous_run(self.run_dir, self.ckpt_dir)
-            checkpoint.barrier()
+            barrier()
         if resume in FRESH:
             return None
         checksums = bool(self.tc.verify_checksums)
-        if explicit is not None and (checkpoint.step_of(explicit.name) is not None
-                                     or (explicit / checkpoint.MANIFEST).exists()):
+        if explicit is not None and (step_of(explicit.name) is not None
+                                     or (explicit / MANIFEST).exists()):
             problems = checkpoint.verify(explicit, checksums)
             if problems:
                 raise CheckpointError(f"train.resume={explicit}: the checkpoint does not verify: {'; '.join(problems)}")
@@ -202,7 +204,7 @@ class Trainer:
         folder, skipped = checkpoint.newest_verified(explicit or self.ckpt_dir, checksums)
         for name, why in skipped:
             log.warning("resume: skipping checkpoint %s: %s", name, why)
-        if folder is None and (explicit is not None or any(not n.endswith(checkpoint.PARTIAL) for n, _ in skipped)):
+        if folder is None and (explicit is not None or any(not n.endswith(PARTIAL) for n, _ in skipped)):
             where = explicit or self.ckpt_dir
             raise CheckpointError(f"train.resume={resume}: no checkpoint in {where} verifies (see above); move the "
                                   "damaged ones away, or start over with train.resume=none train.overwrite=true")
@@ -309,7 +311,7 @@ class Trainer:
     def _measure_optimizer_state(self) -> float:
         state, master = optimizer_state_bytes(self.engine.optimizer, self.model)
         self.optim_state_gib = (state + master) / 2**30
-        cls = type(self.engine.optimizer)  # DeepSpeed's wrapper, or ling.engine's subclass of it
+        cls = type(self.engine.optimizer)  # DeepSpeed's wrapper, or ling.train's subclass of it
         ds_cls = next((c for c in cls.__mro__ if c.__module__.startswith("deepspeed")), cls)
         log.info("optimizer state on rank %d: %.3f GiB (moments and their scales %.3f + fp32 master weights %.3f; "
                  "DeepSpeed's %s)", self.rank, self.optim_state_gib, state / 2**30, master / 2**30,

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ling.compare import spread  # mean, std and the mean's 95 % t-interval
+from ling.analysis.compare import spread  # mean, std and the mean's 95 % t-interval
 from model.moe import Router
 
 REFERENCE = "fp32"

@@ -514,7 +514,7 @@ def verdict(comp: Comparison) -> str:
 
 def compare(pairs: list[tuple[str | Path, str | Path]], noise: list[tuple[str | Path, str | Path]] = (),
             out_dir: str | Path = "runs/compare", *, key: str = "loss", window: float = 0.2,
-            first_steps: int | None = None, command: str = "ling.compare.compare(...)") -> Comparison:
+            first_steps: int | None = None, command: str = "ling.analysis.compare.compare(...)") -> Comparison:
     """Summarize, plot and report; writes loss_curves.png, rel_diff.png, fp8_health.png (when the logs hold
     FP8 health), report.md and summary.json into `out_dir`. `first_steps`: every pair on only the first that
     many steps both runs logged (the window is a fraction of those)."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ling.checkpoint import atomic_write
+from ling.files import atomic_write
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ling.launch import StopRun
+from ling.train.launch import StopRun
 
 
 class NonFiniteStop(StopRun):
@@ -72,7 +72,7 @@ class NonFiniteGuard:
         if applied and not finite:
             raise RuntimeError(f"step {step}: DeepSpeed applied an update although loss={loss} and "
                                f"grad_norm={grad_norm}; the parameters can no longer be trusted (the non-finite "
-                               "guard relies on DeepSpeed skipping such steps, see ling/guard.py)")
+                               "guard relies on DeepSpeed skipping such steps, see ling/train/guard.py)")
         skipped = not applied
         if skipped:
             self.total += 1

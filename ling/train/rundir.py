@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from ling.checkpoint import broadcast, rank_world, step_of
-from ling.launch import StopRun
+from ling.checkpoint.layout import step_of
+from ling.ranks import broadcast, rank_world
+from ling.train.launch import StopRun
 
 log = logging.getLogger(__name__)
 

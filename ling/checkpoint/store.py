@@ -7,7 +7,8 @@ DeepSpeed's tools). With expert parallelism (ep_size P > 1) DeepSpeed's `mp_rank
 dense weights and only expert-parallel rank 0's share of each expert stack, so every expert-parallel rank k also
 writes `experts_ep{k}_of{P}.pt` (its expert stacks in the training dtype, written by the first rank that holds
 them); `read_expert_shards` joins them into whole stacks. A checkpoint resumes with the moe.ep_size that wrote
-it (DeepSpeed's loader, then each rank's experts) or with another one at the same world size (ling/reshard.py).
+it (DeepSpeed's loader, then each rank's experts) or with another one at the same world size
+(ling/checkpoint/reshard.py).
 A save writes into <tag>.partial/, hashes what landed on disk (the ranks share the files), writes the manifest
 last and renames the folder into place, so a checkpoint either has a manifest that matches its files or is
 not a candidate. `newest_verified` walks the checkpoints newest first and returns the first whose files all
@@ -16,85 +17,33 @@ match their manifest (every rank checks its share), with the reasons it skipped 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-MANIFEST = "manifest.json"
-TRAINER_STATE = "trainer_state_rank{rank}.pt"
-PARTIAL = ".partial"
-TAG_RE = re.compile(r"^step(\d{8})$")
-MANIFEST_FORMAT = 1
-EXPERT_SHARD = "experts_ep{ep_rank}_of{ep_size}.pt"
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def step_of(tag: str) -> int | None:
-    m = TAG_RE.match(tag)
-    return int(m.group(1)) if m else None
+from ling.checkpoint.layout import (
+    EXPERT_SHARD,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    PARTIAL,
+    TRAINER_STATE,
+    expert_shard_names,
+    step_of,
+    tag_for,
+)
+from ling.checkpoint.reshard import load_resharded
+from ling.files import atomic_write, sha256_file
+from ling.ranks import all_gather, barrier, broadcast, rank_world
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    """write(tmp) into a sibling temporary file, flush it to disk, rename it over `path`: readers see the old
-    or the new content, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -119,13 +68,9 @@ def expert_layout(engine) -> dict[str, int]:
     ep_size = model.config.ep_size if hasattr(model, "config") else 1
     if ep_size == 1:
         return {"ep_size": 1, "ep_rank": 0, "edp_rank": rank_world()[0]}
-    ep_ranks = _all_gather(model.ep_rank)
+    ep_ranks = all_gather(model.ep_rank)
     rank = rank_world()[0]
     return {"ep_size": ep_size, "ep_rank": model.ep_rank, "edp_rank": ep_ranks[:rank].count(model.ep_rank)}
-
-
-def _expert_shard_names(ep_size: int) -> list[str]:
-    return [EXPERT_SHARD.format(ep_rank=k, ep_size=ep_size) for k in range(ep_size)] if ep_size > 1 else []
 
 
 def read_expert_shards(folder: Path) -> dict[str, torch.Tensor]:
@@ -136,10 +81,10 @@ def read_expert_shards(folder: Path) -> dict[str, torch.Tensor]:
         return {}
     ep_size = int(found[0].stem.rpartition("_of")[2])
     shards = []
-    for name in _expert_shard_names(ep_size):
+    for name in expert_shard_names(ep_size):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"checkpoint {folder}: {name} is missing (moe.ep_size={ep_size} writes "
-                                    f"{', '.join(_expert_shard_names(ep_size))})")
+                                    f"{', '.join(expert_shard_names(ep_size))})")
         shards.append(torch.load(folder / name, map_location="cpu", weights_only=True))
     return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
 
@@ -166,7 +111,7 @@ def optimizer_name(engine) -> str | None:
     opt = getattr(engine, "optimizer", None)
     if opt is None:
         return None
-    while type(opt).__module__.startswith(("deepspeed", "ling.engine")) and hasattr(opt, "optimizer"):
+    while type(opt).__module__.startswith(("deepspeed", "ling.train")) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
     return type(opt).__name__
 
@@ -190,7 +135,7 @@ def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_
     names = broadcast(sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
                       if rank == 0 else None)
     mine = {n: {"size": (partial / n).stat().st_size, "sha256": sha256_file(partial / n)} for n in names[rank::world]}
-    files = {k: v for part in _all_gather(mine) for k, v in part.items()}
+    files = {k: v for part in all_gather(mine) for k, v in part.items()}
     if rank == 0:
         manifest = {"format": MANIFEST_FORMAT, "tag": tag, "step": step, "world_size": world,
                     "ep_size": layout["ep_size"], "optimizer": optimizer_name(engine),
@@ -279,12 +224,12 @@ def verify(folder: Path, checksums: bool = True, world_size: int | None = None) 
         problems.append(f"written by {manifest.get('world_size')} ranks, this run has {nranks}")
     else:
         files = manifest["files"]
-        needed = [TRAINER_STATE.format(rank=r) for r in range(nranks)] + _expert_shard_names(manifest.get("ep_size", 1))
+        needed = [TRAINER_STATE.format(rank=r) for r in range(nranks)] + expert_shard_names(manifest.get("ep_size", 1))
         problems += [f"{name} is not in the manifest" for name in needed if name not in files]
         names = sorted(files)
         problems += [p for n in names[rank::world] if (p := _check_file(folder, n, files[n], checksums))]
     merged: list[str] = []
-    for part in _all_gather(problems):
+    for part in all_gather(problems):
         merged += [p for p in part if p not in merged]
     return merged
 
@@ -309,8 +254,8 @@ def load(engine, folder: Path) -> dict[str, Any]:
     """Load a verified checkpoint into the engine (model, optimizer, lr scheduler) and restore this rank's
     RNG state; returns this rank's trainer state. A checkpoint of another moe.ep_size, or of another optimizer
     (AdamW ↔ FP8AdamW: a branch of a run in the other recipe, scripts/parity_branch.sh), is re-assembled per
-    parameter for this engine (ling/reshard.py): the same fp32 master weights, the moments in this optimizer's
-    format. The trainer state then says `converted_from` (the saved optimizer's name) for the log."""
+    parameter for this engine (ling/checkpoint/reshard.py): the same fp32 master weights, the moments in this
+    optimizer's format. The trainer state then says `converted_from` (the saved optimizer's name) for the log."""
     rank, _ = rank_world()
     manifest = _read_manifest(folder)
     saved_ep = manifest.get("ep_size", 1) if isinstance(manifest, dict) else 1
@@ -318,8 +263,6 @@ def load(engine, folder: Path) -> dict[str, Any]:
     layout = expert_layout(engine)
     converted = saved_opt is not None and saved_opt != optimizer_name(engine)
     if saved_ep != layout["ep_size"] or converted:
-        from ling.reshard import load_resharded
-
         load_resharded(engine, folder, saved_ep)
     else:
         load_path, _ = engine.load_checkpoint(str(folder.parent), tag=folder.name)
