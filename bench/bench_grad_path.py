@@ -19,7 +19,8 @@ DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). V
   zero2_bf16_accum   grad_accum_dtype = the model's dtype (DeepSpeed's own default; rounds the sum to bf16)
   zero2_no_contiguous, zero2_overlap, zero2_bucket_2e8
                      zero2 with contiguous_gradients=false / overlap_comm=true / reduce_bucket_size=2e8
-  zero2_fp32_comm    zero2 with communication_data_type=fp32 (exact data-parallel means; tests/test_grad_accum.py)
+  zero2_fp32_comm    zero2 with communication_data_type=fp32 (exact data-parallel means; tests/runtime/
+                     test_grad_accum.py)
   zero1              `deepspeed=zero1`, the GPU experiments' (fp32 accumulation: DeepSpeed's BF16_Optimizer, fp32
                      sums in its hooks and one fp32 all-reduce at the boundary, with ling/train/engine.py's lean hook)
   zero1_stock_hook   zero1 with DeepSpeed's own hook (an fp32 copy of each bf16 gradient before the add)

@@ -4,7 +4,7 @@
 # all in deterministic mode; reports per component in $OUT/report_no-<X>/ and the table in $OUT/ablation.md. The
 # `emulated` run (FP8Linears on the ablation path's fp32 GEMMs, nothing in high precision) is the FP8Linear
 # components' baseline.
-# (wgrad_bf16 is left out: with bf16 weights it is bit-identical to the recipe, tests/test_fp8_ablation.py.)
+# (wgrad_bf16 is left out: with bf16 weights it is bit-identical to the recipe, tests/fp8/test_fp8_ablation.py.)
 #
 #   bash scripts/ablate.sh                                        # 3 seeds x (bf16, fp8, 11 variants), 1,000 steps
 #   ABLATIONS="fwd_x adam_v" SEEDS="1 2" STEPS=600 bash scripts/ablate.sh

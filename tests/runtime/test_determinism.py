@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ling.train.determinism import deterministic_mode
-from tests.test_config import CONF
+from tests.runtime.test_config import CONF
 
 COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1",
           "model.num_layers=2", "train.eval_every=2", "train.eval_batches=2", "train.save_final=false",

@@ -1,9 +1,9 @@
-"""FP8AdamW as DeepSpeed's client optimizer under ZeRO-2, on CPU with gloo (tests/dist_adam_worker.py).
+"""FP8AdamW as DeepSpeed's client optimizer under ZeRO-2, on CPU with gloo (tests/fp8/dist_adam_worker.py).
 
 - 2 processes vs 1: the same global batches, so the only differences are the gradient reduction order and
   where the flat partitions cut the quantization blocks (each rank's partition starts a new block).
 - DeepSpeed save_checkpoint → fresh engine → load_checkpoint → continue equals never stopping, exactly.
-(elastic_checkpoint=true is refused by ling.train.engine before an engine exists: tests/test_config.py.)
+(elastic_checkpoint=true is refused by ling.train.engine before an engine exists: tests/runtime/test_config.py.)
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "dist_adam_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "fp8" / "dist_adam_worker.py"
 
 
 def free_port() -> int:
@@ -43,7 +43,7 @@ def launch(nproc: int, out: Path, *args: str) -> dict:
 
 def initial_params() -> dict[str, torch.Tensor]:
     sys.path.insert(0, str(ROOT))
-    from tests.dist_adam_worker import make_model
+    from tests.fp8.dist_adam_worker import make_model
 
     return make_model().state_dict()
 

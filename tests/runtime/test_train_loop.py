@@ -19,9 +19,9 @@ import pytest
 
 from ling.checkpoint.store import verify
 from ling.train.rundir import RunDirLock
-from tests.test_runtime_checkpoint import overwrite_4k
+from tests.runtime.test_runtime_checkpoint import overwrite_4k
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "logging.wandb.mode=disabled",
           "logging.progress_bar=false", "train.seq_len=32",
           "optim.warmup_steps=2", "model.num_layers=2", "data.vocab_size=512"]

@@ -17,8 +17,8 @@ from fp8.health import distortion, relative_error, underflow
 from fp8.linear import FP8Linear
 from fp8.monitor import FP8Monitor, MonitorConfig
 from fp8.quant import dequantize_1x128, quantize_1x128, quantize_1x128_ref
-from tests.test_config import CONF
-from tests.test_fp8_linear import run
+from tests.fp8.test_fp8_linear import run
+from tests.runtime.test_config import CONF
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ling.train.engine import build_optimizer
 from ling.train.launch import strip_local_rank_arg
 from model.config import PRESETS, ModelConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml"))
 
 

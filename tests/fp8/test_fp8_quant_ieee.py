@@ -23,7 +23,7 @@ from fp8.quant import (
     quantize_128x128,
     quantize_128x128_ref,
 )
-from tests.test_fp8_quant import DEVICES, setup_device
+from tests.fp8.test_fp8_quant import DEVICES, setup_device
 
 CODES = torch.arange(128, dtype=torch.uint8)  # non-negative codes; 0x7F is NaN
 VALUES = CODES.view(torch.float8_e4m3fn).double()
@@ -85,7 +85,7 @@ def many_magnitudes(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
         x[r] = (pick * 2.0**e).float()
         x[r, 0] = 448.0 * 2.0**e
     big = torch.finfo(dtype).max / 2
-    return x.clamp(-big, big).to(dtype)  # finite: NaN / Inf blocks are tests/test_fp8_quant.py's subject
+    return x.clamp(-big, big).to(dtype)  # finite: NaN / Inf blocks are tests/fp8/test_fp8_quant.py's subject
 
 
 def mismatch(got: torch.Tensor, want: torch.Tensor) -> str:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fp8.gemm import GemmConfig, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad, set_gemm_config
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
-from tests.test_fp8_quant import DEVICES, setup_device
+from tests.fp8.test_fp8_quant import DEVICES, setup_device
 
 # (M, N, K): aligned; K tail + odd M; tiny; N tail
 SHAPES = [(256, 256, 512), (77, 200, 300), (1, 130, 129), (130, 64, 128)]

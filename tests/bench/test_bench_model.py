@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def test_bench_model_runs_on_cpu_and_prints_the_model_table_last(capsys):
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_model.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_model.py"
     spec = importlib.util.spec_from_file_location("bench_model", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,12 +1,13 @@
 """DeepSpeed bf16 + ZeRO on CPU (gloo), a bf16 linear layer, 8 micro-batches of one step on each rank, and the
 gradient the optimizer receives against the float64 mean over ranks of the sum of the same 8 bf16 micro-batch
-gradients (tests/test_grad_accum.py). Rank 0 prints one JSON line per case: {"case": "2:fp32", "optimizer": class
+gradients (tests/runtime/test_grad_accum.py). Rank 0 prints one JSON line per case: {"case": "2:fp32",
+"optimizer": class
 name, "rel_err": ||seen - ref|| / ||ref||, "digest": sha256 of the seen gradient's bytes}; on several ranks the
 error is rank 0's partition's. Engines come from ling.train.engine.initialize_engine (the trainer's), or with
 `:stock` from plain deepspeed.initialize.
 
-    python tests/grad_accum_worker.py 2:fp32 2:null 3:fp32      # ZeRO stage : deepspeed.grad_accum_dtype
-    torchrun --nproc_per_node 2 tests/grad_accum_worker.py 1:fp32 2:fp32   # each rank its own inputs
+    python tests/runtime/grad_accum_worker.py 2:fp32 2:null 3:fp32      # ZeRO stage : deepspeed.grad_accum_dtype
+    torchrun --nproc_per_node 2 tests/runtime/grad_accum_worker.py 1:fp32 2:fp32   # each rank its own inputs
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MICRO_BATCHES = 8
 

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from ling.analysis.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
 from ling.train.trainer import train
-from tests.test_config import CONF
+from tests.runtime.test_config import CONF
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len=32", "model.num_layers=2",
         "train.micro_batch_size=2", "train.grad_accum=2", "deepspeed=zero2", "logging.wandb.mode=disabled",
@@ -154,7 +154,7 @@ def test_python_profile_of_a_step_groups_host_time_by_package(tmp_path):
 
 
 def test_host_group_names_where_a_function_lives():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert host_group(str(root / "fp8" / "linear.py"), "forward") == "fp8/"
     assert host_group(str(root / "model" / "moe.py"), "forward") == "model/"
     assert host_group("/usr/lib/python3/site-packages/torch/autograd/function.py", "apply") == "torch (Python)"

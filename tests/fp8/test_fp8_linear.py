@@ -10,7 +10,7 @@ from torch import nn
 from fp8.gemm import fp8_gemm_ref, fp8_gemm_wgrad_ref
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
 from fp8.quant import quantize_1x128_ref, quantize_128x128_ref
-from tests.test_fp8_quant import DEVICES, setup_device
+from tests.fp8.test_fp8_quant import DEVICES, setup_device
 
 HEALTH_KEYS = {"act_underflow", "act_distortion", "grad_underflow", "grad_distortion", "gradT_underflow",
                "gradT_distortion", "weight_underflow", "weight_distortion"}  # fmt: skip

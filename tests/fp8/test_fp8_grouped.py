@@ -25,7 +25,7 @@ from fp8.grouped import (
     swiglu_quantize_tokens,
 )
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
-from tests.test_fp8_quant import DEVICES, bits_equal, setup_device
+from tests.fp8.test_fp8_quant import DEVICES, bits_equal, setup_device
 
 # segment lengths: empty experts, segments shorter than 16 and than a tile, one longer than two 128-row tiles
 LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]

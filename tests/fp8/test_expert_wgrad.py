@@ -4,7 +4,7 @@ operands, against the exact experts' gradient (closer than the FP8 wgrad), bit-i
 map padding; dx and the gate gradients bit-identical between the two; the default bit-identical to the recipe
 composed by hand; the config key validated, carried to the experts and trained with. CPU (the torch reference, and
 Triton's interpreter where marked); the `gpu` tests run torch._grouped_mm and the compiled kernels (the
-no-host-sync check of the bf16 wgrad is in tests/test_moe_gpu.py)."""
+no-host-sync check of the bf16 wgrad is in tests/model/test_moe_gpu.py)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from fp8.grouped import (
 from fp8.quant import dequantize_1x128, fp8_transpose_128x128, quantize_1x128
 from model.dispatch import plan_dispatch
 from model.moe import GroupedExperts, MoE
-from tests.test_config import compose_cfg
-from tests.test_fp8_grouped import data_rows, layout
+from tests.fp8.test_fp8_grouped import data_rows, layout
+from tests.runtime.test_config import compose_cfg
 
 EMPTY = (0, 3)  # experts that get no token
 

@@ -1,4 +1,4 @@
-"""Expert parallelism (`moe.ep_size`), on CPU with gloo under `torchrun` (tests/ep_worker.py does the work).
+"""Expert parallelism (`moe.ep_size`), on CPU with gloo under `torchrun` (tests/runtime/ep_worker.py does the work).
 
 - One MoE layer split over 2 ranks is bit-identical to the whole layer in one process on the global batch.
 - Train runs, 2 ranks: ep_size=2 against ep_size=1 on the same global batch, ZeRO-1 and ZeRO-2, fp32 and
@@ -28,10 +28,10 @@ from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
 from ling.config import model_config_from
 from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
-from tests.test_train_loop import COMMON, free_port, metrics_of
+from tests.runtime.test_train_loop import COMMON, free_port, metrics_of
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "ep_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "runtime" / "ep_worker.py"
 STEPS = 6
 RUN = [*COMMON, f"train.steps={STEPS}", "train.micro_batch_size=2", "train.save_every=3", "train.keep_last=0"]
 FP8 = ["precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0"]
@@ -205,7 +205,7 @@ def test_an_ep_checkpoint_holds_every_expert_and_reads_as_the_whole_model(runs):
 def test_layer_split_over_two_ranks_is_bit_identical_to_the_whole_layer(tmp_path):
     """Routed experts (output, input and gate gradients, every expert gradient) for fp32 and FP8 experts, with and
     without padding, a rank receiving no rows, and (Triton interpreter) the FP8 kernels; initial weights and HF
-    import; see tests/ep_worker.py."""
+    import; see tests/runtime/ep_worker.py."""
     from tests.triton_cpu import interpreter_available
 
     ranks = launch(2, "layer", tmp_path / "layer.pt", interpret=interpreter_available())

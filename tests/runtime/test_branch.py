@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.test_config import compose_cfg
-from tests.test_train_loop import COMMON, metrics_of, same_losses
+from tests.runtime.test_config import compose_cfg
+from tests.runtime.test_train_loop import COMMON, metrics_of, same_losses
 
 BASE = ["train.steps=8", "train.eval_every=0"]
 FP8_ADAM = ["optim=fp8_adamw", "optim.min_fp8_numel=0"]
@@ -115,7 +115,7 @@ def test_the_branch_protocol_script_on_the_tiny_model(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRUNK_STEPS": "5", "EVERY": "3", "LENGTH": "2", "OUT": str(tmp_path / "pb"), "JOBS": "2",
            "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
@@ -149,7 +149,7 @@ def test_the_branch_script_runs_each_ablation_beside_each_fp8_branch(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "TRUNK_STEPS": "10", "EVERY": "4",
            "LENGTH": "2", "OUT": str(tmp_path), "ABLATIONS": "fwd_x adam_v,fwd_w optim.rounding=nearest"}
     out = subprocess.run(["bash", str(root / "scripts" / "parity_branch.sh"), "train.device=cuda"], env=env,

@@ -1,4 +1,4 @@
-"""Expert-parallel worker for tests/test_expert_parallel.py, launched by torchrun (every rank runs it): on CPU
+"""Expert-parallel worker for tests/runtime/test_expert_parallel.py, launched by torchrun (every rank runs it): on CPU
 with gloo (fp32), on a CUDA machine with NCCL, one GPU per rank (bf16).
 
 Modes (rank 0 writes every rank's findings to --out as a torch file; a failed check raises on the rank that
@@ -148,7 +148,7 @@ def train_runs(specs: list[dict], rank: int) -> dict:
     from ling.train.preemption import StopSignals
     from ling.train.trainer import Trainer, train
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = {}
     for spec in specs:
         run_dir = Path(spec["dir"])

@@ -2,7 +2,7 @@
 default of deepspeed=zero2/zero3) ZeRO hands the optimizer the fp32 sum of the micro-batch gradients; with
 DeepSpeed's own default (the model's dtype, bf16) the running sum is rounded to bf16 at every micro-batch.
 
-DeepSpeed runs bf16 on CPU too, so the worker (tests/grad_accum_worker.py, gloo, one process or two) exercises
+DeepSpeed runs bf16 on CPU too, so the worker (tests/runtime/grad_accum_worker.py, gloo, one process or two) exercises
 the same ZeRO code as a GPU run: 8 micro-batches of inputs of different scale through a bf16 linear layer, the
 gradient the optimizer sees against the float64 (data-parallel mean of the) sum of the same 8 bf16 gradients by
 plain autograd.
@@ -20,16 +20,17 @@ import pytest
 from omegaconf import OmegaConf
 
 from ling.train.engine import deepspeed_config
-from tests.test_fp8_adam_deepspeed import free_port
+from tests.fp8.test_fp8_adam_deepspeed import free_port
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "runtime" / "grad_accum_worker.py"
 
 
 def test_fp32_accumulation_is_exact_and_bf16_is_not():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "grad_accum_worker.py"), "2:fp32", "3:fp32", "2:null",
+    proc = subprocess.run([sys.executable, str(WORKER), "2:fp32", "3:fp32", "2:null",
                            "1:fp32", "1:null", "1:fp32:stock"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,7 +57,7 @@ def test_across_two_ranks_zero1_fp32_is_exact_and_zero2_rounds_each_micro_batch_
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "tests" / "grad_accum_worker.py"),
+                           "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
                            "1:fp32", "2:fp32", "2:fp32:fp32_comm"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,8 +8,8 @@ import torch
 
 from fp8.linear import ABLATION_COMPONENTS, EMULATED, FP8Linear
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
-from tests.test_config import compose_cfg
-from tests.test_fp8_linear import run
+from tests.fp8.test_fp8_linear import run
+from tests.runtime.test_config import compose_cfg
 
 
 def r1(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ def test_ablate_script_runs_each_variant_per_seed_and_compares_it(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "NOISE_SEEDS": "1", "STEPS": "7",
            "OUT": str(tmp_path), "ABLATIONS": "fwd_x adam_v,fwd_w optim.rounding=nearest"}
     out = subprocess.run(["bash", str(root / "scripts" / "ablate.sh"), "train.device=cuda"], env=env, cwd=root,
@@ -141,7 +141,7 @@ def test_parity_script_concurrent_jobs_rerun_check_and_archive(tmp_path):
     import tarfile
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1", "NOISE_SEEDS": "", "STEPS": "7",
            "OUT": str(tmp_path / "p"), "JOBS": "2", "DET_RERUN_SEEDS": "1", "ARCHIVE": str(tmp_path / "a.tgz")}
     out = subprocess.run(["bash", str(root / "scripts" / "parity.sh")], env=env, cwd=root, capture_output=True,
@@ -160,7 +160,7 @@ def test_ablation_table_from_reports_with_known_offsets(tmp_path):
     is against it and the optimizer's stays against fp8."""
     from ling.analysis.compare import compare
     from scripts.ablation_table import table
-    from tests.test_compare import _baseline, _config, write_run
+    from tests.analysis.test_compare import _baseline, _config, write_run
 
     factors = {"fp8": 1.002, "no-fwd_x": 1.001, "no-adam_v": 1.0015, "no-emulated": 1.0018}
     pairs = {name: [] for name in factors}
@@ -195,7 +195,7 @@ def test_parity_script_step_error_evaluations(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "SEEDS": "1 2", "NOISE_SEEDS": "", "STEPS": "7",
            "OUT": str(tmp_path), "STEP_ERROR": "1", "STEP_ERROR_ABLATE": "[fwd_x]"}
     out = subprocess.run(["bash", str(root / "scripts" / "parity.sh")], env=env, cwd=root, capture_output=True,

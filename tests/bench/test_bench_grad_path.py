@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # one variant per code path (each row is a fresh process, ~5-9 s on CPU): plain autograd, the hand-written hook,
 # ling.engine's engine (ZeRO-1: the lean BF16_Optimizer hook), DeepSpeed's own engine; ZeRO-2's rows differ
 # from zero1 only in the config

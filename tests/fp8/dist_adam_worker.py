@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO worker for tests/test_fp8_adam_deepspeed.py (CPU, gloo; launched by torchrun).
+"""DeepSpeed ZeRO worker for tests/fp8/test_fp8_adam_deepspeed.py (CPU, gloo; launched by torchrun).
 
 Trains a small MLP with FP8AdamW as DeepSpeed's client optimizer and writes rank 0's results to --out:
 
