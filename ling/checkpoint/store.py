@@ -9,19 +9,26 @@ writes `experts_ep{k}_of{P}.pt` (its expert stacks in the training dtype, writte
 them); `read_expert_shards` joins them into whole stacks. A checkpoint resumes with the moe.ep_size that wrote
 it (DeepSpeed's loader, then each rank's experts) or with another one at the same world size
 (ling/checkpoint/reshard.py).
-A save writes into <tag>.partial/, hashes what landed on disk (the ranks share the files), writes the manifest
-last and renames the folder into place, so a checkpoint either has a manifest that matches its files or is
-not a candidate. `newest_verified` walks the checkpoints newest first and returns the first whose files all
-match their manifest (every rank checks its share), with the reasons it skipped the others.
+A save (`Checkpointer`) snapshots the state into host memory, writes it into <tag>.partial/ in the background
+(each file hashed as it is written), writes the manifest last, once every rank's files are complete, and
+renames the folder into place, so a checkpoint either has a manifest that matches its files or is not a
+candidate. The manifest also records the model config (`model`): a resume compares the keys a checkpoint
+cannot change (`FIXED_MODEL_KEYS`, `model_mismatch`) before anything is built. `newest_verified` walks the
+checkpoints newest first and returns the first whose files all match their manifest (every rank checks its
+share), with the reasons it skipped the others.
 """
 
 from __future__ import annotations
 
+import copy
+import errno
 import json
+import logging
 import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +46,22 @@ from ling.checkpoint.layout import (
     tag_for,
 )
 from ling.checkpoint.reshard import load_resharded
+from ling.checkpoint.snapshot import (
+    BackgroundWrite,
+    CapturingCheckpointEngine,
+    HostBuffers,
+    SaveFaults,
+    capturing,
+    snapshot,
+    synchronize,
+    tensor_bytes,
+    write_entries,
+)
 from ling.files import atomic_write, sha256_file
 from ling.ranks import all_gather, barrier, broadcast, rank_world
+
+log = logging.getLogger(__name__)
+FILE_OVERHEAD = 1 << 20  # bytes per file beyond its tensors' (pickle, zip records, alignment): a generous bound
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -89,13 +110,6 @@ def read_expert_shards(folder: Path) -> dict[str, torch.Tensor]:
     return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
 
 
-def _save_expert_shard(engine, folder: Path, layout: dict[str, int]) -> None:
-    if layout["ep_size"] > 1 and layout["edp_rank"] == 0:
-        tensors = {n: p.detach().cpu() for n, p in engine.module.expert_parameters()}
-        name = EXPERT_SHARD.format(ep_rank=layout["ep_rank"], ep_size=layout["ep_size"])
-        atomic_write(folder / name, lambda tmp: torch.save(tensors, tmp))
-
-
 def _load_expert_shard(model, folder: Path) -> None:
     """This rank's expert stacks from its shard file (DeepSpeed's loader put rank 0's share everywhere)."""
     name = EXPERT_SHARD.format(ep_rank=model.ep_rank, ep_size=model.config.ep_size)
@@ -117,37 +131,194 @@ def optimizer_name(engine) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------------- save
+class CheckpointWriteError(RuntimeError):
+    """A save that could not be written (a full disk, ...). Raised on every rank; its .partial folder is gone and
+    the checkpoints before it are untouched."""
+
+
+@dataclass
+class PendingSave:
+    """A save whose snapshot is taken and whose files are being written (by this rank: `write`)."""
+
+    step: int
+    tag: str
+    partial: Path
+    final: Path
+    ep_size: int
+    optimizer: str | None
+    need_bytes: int  # all ranks' tensor bytes: about the size of the checkpoint
+    stall_s: float  # how long training waited for the snapshot
+    write: BackgroundWrite | None = None  # None: written in the training thread (synchronous saves)
+    files: dict[str, dict[str, Any]] | None = None
+    error: BaseException | None = None
+    write_s: float = 0.0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _describe_write_error(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return f"no space left on device writing {error.filename}"
+    if isinstance(error, OSError):
+        return f"{error.strerror or error} writing {error.filename}"
+    return f"{type(error).__name__}: {error}"
+
+
+class Checkpointer:
+    """Saves checkpoints, one in flight at a time. `start` (every rank, at a step boundary) takes the snapshot —
+    DeepSpeed's state dicts, the expert shards and this rank's trainer state, copied to host memory: the only
+    time training waits — and writes the files into <tag>.partial/ in a background thread (`async_save`), or
+    at once. When every rank's write is done (`local_done` on all ranks, or `wait`), `finish` (every rank)
+    gathers each file's size and sha256 (hashed as written), and rank 0 writes the manifest, renames the folder
+    into place, points `latest` at it and rotates. A save interrupted at any point leaves a folder without a
+    manifest: never a candidate for resume. A failed write (a full disk) removes the .partial folder and
+    raises CheckpointWriteError on every rank. `manifest_extra` goes into each manifest (the model config)."""
+
+    def __init__(self, ckpt_dir: Path, keep_last: int, async_save: bool = True, faults: SaveFaults | None = None,
+                 manifest_extra: dict[str, Any] | None = None) -> None:
+        self.ckpt_dir = Path(ckpt_dir)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.faults = faults or SaveFaults()
+        self.manifest_extra = dict(manifest_extra or {})
+        self.buffers = HostBuffers(keep=async_save)
+        self.pending: PendingSave | None = None
+        self.last: Path | None = None  # the newest checkpoint this Checkpointer committed
+
+    def start(self, engine, step: int, trainer_state: dict[str, Any]) -> PendingSave:
+        """Snapshot step `step` and start writing it (every rank calls this). A save still in flight is waited
+        for first. Raises CheckpointWriteError, before writing anything, when the checkpoint folder's disk has
+        less free space than the snapshot's size."""
+        if self.pending is not None:
+            self.wait()
+        rank, _ = rank_world()
+        tag = tag_for(step)
+        final, partial = self.ckpt_dir / tag, self.ckpt_dir / (tag + PARTIAL)
+        if rank == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
+        barrier()
+        t0 = time.perf_counter()
+        self.buffers.begin()
+        capture = CapturingCheckpointEngine(self.buffers)
+        with capturing(engine, capture):
+            engine.save_checkpoint(str(self.ckpt_dir), tag=partial.name, save_latest=False)
+        entries = capture.entries
+        layout = expert_layout(engine)
+        if layout["ep_size"] > 1 and layout["edp_rank"] == 0:  # the first rank holding these experts
+            name = EXPERT_SHARD.format(ep_rank=layout["ep_rank"], ep_size=layout["ep_size"])
+            entries.append((partial / name, snapshot(dict(engine.module.expert_parameters()), self.buffers)))
+        state = {"step": step, "rng": _rng_state(), "expert_parallel": layout, **copy.deepcopy(trainer_state)}
+        entries.append((partial / TRAINER_STATE.format(rank=rank), state))
+        synchronize()
+        stall = time.perf_counter() - t0
+        need = sum(all_gather(sum(tensor_bytes(s) for _, s in entries) + len(entries) * FILE_OVERHEAD))
+        free = broadcast(shutil.disk_usage(self.ckpt_dir).free if rank == 0 else None)
+        pending = PendingSave(step, tag, partial, final, layout["ep_size"], optimizer_name(engine), need, stall)
+        if need > free:
+            self._discard(pending)
+            raise CheckpointWriteError(self._failure(pending, f"not enough space: it needs ≈ {_gib(need)} (all "
+                                                              f"ranks), {_gib(free)} are free"))
+        self.pending = pending
+        if self.async_save:
+            pending.write = BackgroundWrite(entries, partial, self.faults, after=self.buffers.pin_pending)
+        else:
+            t1 = time.perf_counter()
+            try:
+                pending.files = write_entries(entries, partial, self.faults)
+            except Exception as e:  # noqa: BLE001 (every rank learns of it in finish)
+                pending.error = e
+            pending.write_s = time.perf_counter() - t1
+        return pending
+
+    def local_done(self) -> bool:
+        """Whether this rank has nothing left to write (True without a save in flight)."""
+        return self.pending is None or self.pending.write is None or self.pending.write.done
+
+    def wait(self) -> PendingSave | None:
+        """Wait for the save in flight and finish it (every rank); returns it (committed), or None without one."""
+        if self.pending is None:
+            return None
+        if self.pending.write is not None:
+            self.pending.write.join()
+        return self.finish()
+
+    def finish(self) -> PendingSave:
+        """Commit the save in flight once every rank's write is done (every rank calls this, after `wait` or
+        when `local_done` holds on all ranks): manifest, rename, `latest`, rotation. A failed write on any rank
+        removes the .partial folder and raises CheckpointWriteError everywhere."""
+        pending, self.pending = self.pending, None
+        if pending.write is not None:
+            pending.write.join()
+            pending.files, pending.error, pending.write_s = (pending.write.files, pending.write.error,
+                                                            pending.write.seconds)
+        rank, world = rank_world()
+        if pending.error is not None:
+            log.error("checkpoint %s: rank %d could not write its files", pending.tag, rank, exc_info=pending.error)
+        reports = all_gather({"files": pending.files or {}, "seconds": pending.write_s,
+                              "error": None if pending.error is None else _describe_write_error(pending.error)})
+        errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
+        if errors:
+            self._discard(pending)
+            free = broadcast(shutil.disk_usage(self.ckpt_dir).free if rank == 0 else None)
+            raise CheckpointWriteError(self._failure(pending, f"{'; '.join(errors)}; it needs ≈ "
+                                                              f"{_gib(pending.need_bytes)} (all ranks), "
+                                                              f"{_gib(free)} are free now"))
+        pending.write_s = max(rep["seconds"] for rep in reports)
+        if rank == 0:
+            files = {k: v for rep in reports for k, v in rep["files"].items()}
+            on_disk = sorted(str(p.relative_to(pending.partial)) for p in pending.partial.rglob("*") if p.is_file())
+            for name in on_disk:  # written by the engine itself, not through the snapshot (e.g. a test stand-in)
+                if name not in files:
+                    path = pending.partial / name
+                    files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+            manifest = {"format": MANIFEST_FORMAT, "tag": pending.tag, "step": pending.step, "world_size": world,
+                        "ep_size": pending.ep_size, "optimizer": pending.optimizer,
+                        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **self.manifest_extra,
+                        "files": dict(sorted(files.items()))}
+            atomic_write(pending.partial / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+            if pending.final.exists():  # an older save of this step, e.g. by a run that was resumed from before it
+                shutil.rmtree(pending.final)
+            os.replace(pending.partial, pending.final)
+            atomic_write(self.ckpt_dir / "latest", lambda tmp: tmp.write_text(pending.tag))
+            rotate(self.ckpt_dir, self.keep_last, pending.step)
+        barrier()
+        self.last = pending.final
+        return pending
+
+    def _discard(self, pending: PendingSave) -> None:
+        barrier()  # every rank is done with the folder
+        if rank_world()[0] == 0:
+            shutil.rmtree(pending.partial, ignore_errors=True)
+        barrier()
+
+    def _failure(self, pending: PendingSave, why: str) -> str:
+        previous = self.last or newest_complete(self.ckpt_dir)
+        return (f"checkpoint {pending.tag} could not be written to {self.ckpt_dir}: {why}. Its incomplete "
+                f"{pending.partial.name} is removed; the last checkpoint, "
+                f"{previous or 'none (none was written yet)'}, is untouched. Free space there (or set "
+                "train.checkpoint_dir to a larger disk, or lower train.keep_last) and resume with the same command.")
+
+    def close(self) -> None:
+        """Release the host buffers unless a write still reads them (a run ending on an error)."""
+        if self.local_done():
+            self.buffers.release()
+
+
 def save(engine, ckpt_dir: Path, step: int, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Save step `step` (every rank calls this); returns the checkpoint folder, verified on disk."""
-    rank, world = rank_world()
-    tag = tag_for(step)
-    final, partial = ckpt_dir / tag, ckpt_dir / (tag + PARTIAL)
-    if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was interrupted
-    barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, save_latest=False)
-    layout = expert_layout(engine)
-    _save_expert_shard(engine, partial, layout)
-    state = {"step": step, "rng": _rng_state(), "expert_parallel": layout, **trainer_state}
-    atomic_write(partial / TRAINER_STATE.format(rank=rank), lambda tmp: torch.save(state, tmp))
-    barrier()
-    names = broadcast(sorted(str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file())
-                      if rank == 0 else None)
-    mine = {n: {"size": (partial / n).stat().st_size, "sha256": sha256_file(partial / n)} for n in names[rank::world]}
-    files = {k: v for part in all_gather(mine) for k, v in part.items()}
-    if rank == 0:
-        manifest = {"format": MANIFEST_FORMAT, "tag": tag, "step": step, "world_size": world,
-                    "ep_size": layout["ep_size"], "optimizer": optimizer_name(engine),
-                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
-        atomic_write(partial / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
-        if final.exists():  # an older save of this step, e.g. by a run that was resumed from before it
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        atomic_write(ckpt_dir / "latest", lambda tmp: tmp.write_text(tag))
-        rotate(ckpt_dir, keep_last, step)
-    barrier()
-    return final
+    """Save step `step` synchronously (every rank calls this); returns the checkpoint folder."""
+    checkpointer = Checkpointer(ckpt_dir, keep_last, async_save=False)
+    checkpointer.start(engine, step, trainer_state)
+    return checkpointer.wait().final
+
+
+def newest_complete(ckpt_dir: Path) -> Path | None:
+    """The newest folder in `ckpt_dir` with a manifest (not verified), or None."""
+    tags = sorted((p.name for p in ckpt_dir.iterdir() if step_of(p.name) is not None and (p / MANIFEST).is_file()),
+                  key=step_of) if ckpt_dir.is_dir() else []
+    return ckpt_dir / tags[-1] if tags else None
 
 
 def rotate(ckpt_dir: Path, keep_last: int, current_step: int) -> list[str]:
@@ -232,6 +403,27 @@ def verify(folder: Path, checksums: bool = True, world_size: int | None = None) 
     for part in all_gather(problems):
         merged += [p for p in part if p not in merged]
     return merged
+
+
+# the model config keys a checkpoint fixes: its tensors' shapes, and what the weights mean (routing, positions,
+# normalisation). The rest may change on resume: precision and the FP8 recipe (a branch into the other recipe),
+# recomputation, compilation, attention kernel, padding, moe.ep_size (resharded), loss weights, bias rate.
+FIXED_MODEL_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_dense_layers", "dense_intermediate_size",
+                    "num_heads", "num_kv_heads", "head_dim", "rotary_fraction", "rope_base", "rms_eps",
+                    "num_experts", "num_experts_per_tok", "num_shared_experts", "expert_intermediate_size",
+                    "num_expert_groups", "topk_groups", "routed_scaling_factor", "num_mtp_layers")
+
+
+def model_mismatch(folder: Path, model: dict[str, Any]) -> list[str]:
+    """The FIXED_MODEL_KEYS whose value in checkpoint `folder`'s manifest differs from `model` (a ModelConfig as
+    a dict), as "model.key: K in the checkpoint, M now"; [] when they agree or the manifest records no model
+    (checkpoints written before it did)."""
+    manifest = _read_manifest(folder)
+    saved = manifest.get("model") if isinstance(manifest, dict) else None
+    if not isinstance(saved, dict):
+        return []
+    return [f"model.{key}: {saved[key]!r} in the checkpoint, {model.get(key)!r} now" for key in FIXED_MODEL_KEYS
+            if key in saved and saved[key] != model.get(key)]
 
 
 def newest_verified(ckpt_dir: Path, checksums: bool = True,

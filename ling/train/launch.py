@@ -43,8 +43,9 @@ def unique_run_name() -> str:
 
 def add_shared_run_overrides(argv: list[str] | None = None) -> None:
     """Give the run a name (the `run_name=` given, else `unique_run_name()`), the same on every rank (rank 0's,
-    hence one Hydra run dir), and keep ranks > 0 from writing Hydra's config/log files. Needs
-    torch.distributed when WORLD_SIZE > 1 (initialised here)."""
+    hence one Hydra run dir), and keep ranks > 0 from configuring Hydra's logging (conf/config.yaml already keeps
+    Hydra from writing into the run dir: rank 0 writes `.hydra/` once it holds the lock, ling/train/rundir.py).
+    Needs torch.distributed when WORLD_SIZE > 1 (initialised here)."""
     argv = sys.argv if argv is None else argv
     given = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("run_name=")), None)
     name = [given or unique_run_name()]
@@ -53,4 +54,4 @@ def add_shared_run_overrides(argv: list[str] | None = None) -> None:
         dist.broadcast_object_list(name, src=0)
     argv[:] = [a for a in argv if not a.startswith("run_name=")] + [f"run_name={name[0]}"]
     if env_rank() != 0:
-        argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]

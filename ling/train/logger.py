@@ -1,10 +1,11 @@
 """What a run tells its user: log lines (console + `train.log`), per-step metrics (jsonl, wandb, progress bar).
 
 Only rank 0 speaks. Its root logger gets two handlers: `train.log` in the run dir (everything at INFO and
-above: ours, the data package's, DeepSpeed's warnings, Python warnings) and the console (the same lines,
-printed above the progress bar, minus library deprecation warnings and exact repeats). Other ranks print
-errors only. `quiet_library_noise()` runs before DeepSpeed is imported, so that its import-time banner comes
-from rank 0 alone.
+above: ours, the data package's, DeepSpeed's warnings, Python warnings, and a failed run's error with its
+traceback; attached once the run dir's lock is held) and the console (the same lines, printed above the progress
+bar, minus library deprecation warnings and exact repeats). Other ranks print errors only. The compiler command
+lines of DeepSpeed's library probes (`gcc ... -laio`) go nowhere. `quiet_library_noise()` runs before DeepSpeed
+is imported, so that its import-time banner comes from rank 0 alone.
 """
 
 from __future__ import annotations
@@ -80,38 +81,71 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _NoCompilerProbes(logging.Filter):
+    """Drop the compiler command lines setuptools' distutils logs at INFO (DeepSpeed's op builders probe for
+    libraries such as libaio by compiling a test program: `gcc ... -laio`, on every start)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not any(part in record.pathname for part in DISTUTILS_PATHS)
+
+
+DISTUTILS_PATHS = (f"{os.sep}_distutils{os.sep}", f"{os.sep}distutils{os.sep}")
+
+
+class LogRouting:
+    """Where rank 0's records go: the console from the start, `train.log` once `attach_file` is called (after
+    the run dir's lock is held: a run refused on a busy directory writes nothing into it)."""
+
+    def __init__(self, root: logging.Logger, formatter: logging.Formatter, rank: int) -> None:
+        self.root, self.formatter, self.rank = root, formatter, rank
+        self.file: logging.FileHandler | None = None
+
+    def attach_file(self, path: Path) -> None:
+        """Append rank 0's records to `path` from now on (a no-op on other ranks, or when attached already)."""
+        if self.rank != 0 or self.file is not None:
+            return
+        self.file = logging.FileHandler(path, mode="a", encoding="utf-8")
+        self.file.setFormatter(self.formatter)
+        self.file.addFilter(_NoCompilerProbes())
+        self.root.addHandler(self.file)
+
+
 @contextmanager
-def setup_logging(run_dir: Path, rank: int, level: str = "info", deepspeed_level: str = "warning") -> Iterator[None]:
+def setup_logging(run_dir: Path | None, rank: int, level: str = "info",
+                  deepspeed_level: str = "warning") -> Iterator[LogRouting]:
     """Route log records for the duration of a run (restores the previous handlers afterwards).
 
-    rank 0: root → `run_dir/train.log` (append) + console; ranks > 0: errors only, prefixed with the rank.
-    DeepSpeed's logger (which prints on its own) is routed through the same handlers at `deepspeed_level`.
+    rank 0: root → console, and `run_dir/train.log` (append) when `run_dir` is given (else later, through the
+    yielded LogRouting's `attach_file`); ranks > 0: errors only, prefixed with the rank. DeepSpeed's logger
+    (which prints on its own) is routed through the same handlers at `deepspeed_level`; the compiler probes of
+    its op builders are dropped.
     """
     root, ds = logging.getLogger(), logging.getLogger("DeepSpeed")
     saved = (root.handlers[:], root.level, ds.handlers[:], ds.level, ds.propagate)
     formatter = logging.Formatter(FORMAT, DATEFMT)
     console = _TqdmHandler(sys.stderr)
     console.setFormatter(formatter if rank == 0 else logging.Formatter(f"[rank {rank}] {FORMAT}", DATEFMT))
-    handlers: list[logging.Handler] = [console]
+    console.addFilter(_NoCompilerProbes())
     if rank == 0:
         console.addFilter(_ConsoleFilter())
-        file = logging.FileHandler(run_dir / "train.log", mode="a", encoding="utf-8")
-        file.setFormatter(formatter)
-        handlers.append(file)
     else:
         console.setLevel(logging.ERROR)
-    root.handlers[:] = handlers
+    root.handlers[:] = [console]
     root.setLevel(logging.getLevelName(level.upper()))
     ds.handlers[:] = []
     ds.propagate = True
     ds.setLevel(logging.getLevelName(deepspeed_level.upper()))
     logging.captureWarnings(True)
+    routing = LogRouting(root, formatter, rank)
     try:
-        yield
+        if run_dir is not None:
+            routing.attach_file(Path(run_dir) / "train.log")
+        yield routing
     finally:
         logging.captureWarnings(False)
-        for h in handlers:
-            h.close()
+        for h in (console, routing.file):
+            if h is not None:
+                h.close()
         root.handlers[:], root.level = saved[0], saved[1]
         ds.handlers[:], ds.level, ds.propagate = saved[2], saved[3], saved[4]
 

@@ -2,6 +2,9 @@
 
 The lock is `fcntl.flock` on `<run dir>/.lock` (released by the kernel when the process dies, even by
 SIGKILL, so a crashed run never leaves a stale lock); the file names the holder for the refusal message.
+A run writes into its directory only once it holds the lock: Hydra is told not to write its `.hydra/` files
+(ling/train/launch.py), and `write_hydra_files` writes them after locking, so a run refused on a busy
+directory leaves the running one's files alone.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from omegaconf import DictConfig, OmegaConf
+
 from ling.checkpoint.layout import step_of
+from ling.files import atomic_write
 from ling.ranks import broadcast, rank_world
 from ling.train.launch import StopRun
 
@@ -107,3 +113,22 @@ def clear_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
     for name in ("metrics.jsonl", "summary.json"):
         (run_dir / name).unlink(missing_ok=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+HYDRA_FILES = ".hydra"  # Hydra's own folder name for them
+
+
+def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
+    """Hydra's record of the run, `.hydra/{config,hydra,overrides}.yaml`, as Hydra would write it; rank 0, under
+    the lock. A no-op outside a Hydra app (a test calling train() itself)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = Path(run_dir) / HYDRA_FILES
+    folder.mkdir(exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": hydra_cfg})),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        text = OmegaConf.to_yaml(node)
+        atomic_write(folder / name, lambda tmp, text=text: tmp.write_text(text))

@@ -1,18 +1,23 @@
 """The train loop: data → model → DeepSpeed step (skipped when not finite) → expert-bias update → metrics,
 validation, checkpoints; plus resume, preemption and the closing summary.
 
-`train(cfg)` holds the run dir's lock, routes the logs and catches SIGTERM/SIGINT for the whole run; the
-`Trainer` does the work. Runs end normally (returning the last step's metrics) or with a `StopRun` carrying a
-message and an exit code: NonFiniteStop (3), Preempted (128 + signal), RunDirBusy / RunDirNotEmpty /
-CheckpointError (2).
+`train(cfg)` holds the run dir's lock, routes the logs and catches SIGTERM/SIGINT/SIGHUP for the whole run;
+the `Trainer` does the work. Runs end normally (returning the last step's metrics; a run that is already
+complete returns its summary and trains nothing) or with a `StopRun` carrying a message and an exit code:
+NonFiniteStop (3), Preempted (128 + signal), RunDirBusy / RunDirNotEmpty / CheckpointError /
+MemoryPlanRefusal (2). Any other error is logged, with its traceback, to train.log before it propagates.
+Checkpoints are written in the background (`train.async_save`): a save costs the step a host copy of the state;
+its files are committed once every rank has written them, noticed through the step's all-reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import random
+import re
 import time
 from collections import deque
 from pathlib import Path
@@ -31,17 +36,20 @@ from ling.analysis.evaluate import evaluate
 from ling.analysis.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
 from ling.checkpoint import store as checkpoint
 from ling.checkpoint.layout import MANIFEST, PARTIAL, RESOLVED_CONFIG, step_of
+from ling.checkpoint.snapshot import SaveFaults
+from ling.checkpoint.store import CheckpointWriteError
 from ling.config import model_config_from, resolve_device
 from ling.files import atomic_write
-from ling.ranks import barrier, broadcast, init_distributed, rank_world
+from ling.ranks import barrier, broadcast, env_rank, init_distributed, rank_world
 from ling.train.determinism import deterministic_mode
 from ling.train.engine import build_engine
 from ling.train.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
 from ling.train.launch import StopRun
 from ling.train.logger import MetricsLogger, setup_logging, truncate_metrics
+from ling.train.memory_plan import MemoryPlanRefusal, plan_memory
 from ling.train.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
-from ling.train.preemption import Preempted, StopSignals
-from ling.train.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
+from ling.train.preemption import STOP_SIGNALS, Preempted, StopSignals
+from ling.train.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run, write_hydra_files
 from model.layers import scope
 from model.ling import count_parameters
 from model.moe import update_expert_biases
@@ -52,6 +60,16 @@ FRESH = ("none", "null", "None", "")
 
 class CheckpointError(StopRun):
     exit_code = 2
+
+
+class RunComplete(StopRun):
+    """The run dir's newest checkpoint is at the run's last step: nothing to train (`train` returns `summary`)."""
+
+    exit_code = 0
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 def run_dir_from_hydra() -> Path:
@@ -79,25 +97,40 @@ def _due(every: int, step: int, total: int) -> bool:
 
 
 def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    """Run `cfg.train.steps` optimizer steps; returns the last step's metrics (rank-averaged)."""
-    init_distributed()
-    rank, _ = rank_world()
+    """Run `cfg.train.steps` optimizer steps; returns the last step's metrics (rank-averaged), or the summary
+    of a run that was already complete."""
     run_dir = Path(run_dir) if run_dir is not None else run_dir_from_hydra()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.train.on_locked not in ("fail", "wait"):
-        raise ValueError(f"train.on_locked={cfg.train.on_locked!r} is unknown (known: fail, wait)")
+    rank = env_rank()  # the launcher's: logging starts before torch.distributed
     with contextlib.ExitStack() as stack:
-        stack.enter_context(setup_logging(run_dir, rank, cfg.logging.level, cfg.logging.deepspeed_level))
+        logs = stack.enter_context(setup_logging(None, rank, cfg.logging.level, cfg.logging.deepspeed_level))
         try:
-            stack.enter_context(deterministic_mode(bool(cfg.train.get("deterministic", False))))  # before any CUDA GEMM
+            init_distributed()
+            rank, _ = rank_world()
+            if cfg.train.on_locked not in ("fail", "wait"):
+                raise ValueError(f"train.on_locked={cfg.train.on_locked!r} is unknown (known: fail, wait)")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(deterministic_mode(bool(cfg.train.get("deterministic", False))))  # before any GEMM
             stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
+            logs.attach_file(run_dir / "train.log")  # only now: a refused run writes nothing into the run dir
+            if rank == 0:
+                write_hydra_files(run_dir, cfg)
             signals = stack.enter_context(StopSignals())
             trainer = Trainer(cfg, run_dir, signals)
             stack.callback(trainer.close)
             return trainer.fit()
+        except RunComplete as done:
+            if rank == 0:
+                log.info("%s", done)
+            return done.summary
         except StopRun as stop:  # a refusal, a preemption, too many non-finite steps: said once, by rank 0
             if rank == 0:
                 log.log(logging.WARNING if stop.exit_code > 128 else logging.ERROR, "%s", stop)
+            raise
+        except KeyboardInterrupt as e:
+            log.warning("interrupted (%s): stopped without a checkpoint", e or "KeyboardInterrupt")
+            raise
+        except Exception as e:  # every rank says it (ranks > 0 on the console); rank 0's goes into train.log
+            log.error("the run failed: %s: %s", type(e).__name__, e, exc_info=True)
             raise
 
 
@@ -117,6 +150,8 @@ class Trainer:
         self.ckpt_dir = Path(tc.checkpoint_dir) if tc.get("checkpoint_dir") else run_dir / "checkpoints"
         resume_from = self._select_checkpoint()  # before the expensive builds: refusals come fast
         resumes_at = checkpoint.saved_step(resume_from) if resume_from is not None else None
+        if resumes_at is not None and resumes_at == self.last_step:
+            raise RunComplete(*self._complete(resume_from, resumes_at))
         if resumes_at is not None and resumes_at > self.last_step:
             raise ValueError(f"train.stop_at={self.last_step}: the run resumes at step {resumes_at} (from "
                              f"{resume_from}), past it; give a later train.stop_at or an earlier checkpoint")
@@ -133,7 +168,13 @@ class Trainer:
         self.loader = build_loader(cfg.data, **batch_args)
         self.val_loader = self._build_val_loader(batch_args)
         self.model_config = model_config_from(cfg, getattr(self.loader, "vocab_size", None))
+        model_dict = dataclasses.asdict(self.model_config)
+        if resume_from is not None and (changed := checkpoint.model_mismatch(resume_from, model_dict)):
+            raise CheckpointError(f"train.resume: checkpoint {resume_from} was written for another model; a "
+                                  f"checkpoint fixes these keys: {'; '.join(changed)}. Set them back, or start "
+                                  "the new model under another run_name")
         self.counts = count_parameters(self.model_config)
+        self._check_memory(cfg)  # before the build: a run that cannot fit says so, with what would fit
         self.engine, self.scheduler = build_engine(cfg, self.model_config, self.device)
         check_engine_can_skip(self.engine)
         self.model = self.engine.module
@@ -141,7 +182,12 @@ class Trainer:
         self.monitor = FP8Monitor(fp8_modules(self.model),
                                   MonitorConfig.from_dict(cfg.fp8.get("health_every", 0), cfg.fp8.get("monitor")))
 
+        self.checkpointer = checkpoint.Checkpointer(
+            self.ckpt_dir, int(tc.keep_last), async_save=bool(tc.get("async_save", True)),
+            faults=SaveFaults(float(tc.get("inject_save_delay_s") or 0), tc.get("inject_save_enospc_after_bytes")),
+            manifest_extra={"model": model_dict})
         self.start_step, self.last_checkpoint, self.last_saved_step = 0, None, None
+        self.save_stall_s = 0.0  # training time spent on checkpoints: snapshots, and waits for a write in flight
         if resume_from is not None:
             state = checkpoint.load(self.engine, resume_from)
             self.start_step = self.last_saved_step = int(state["step"])
@@ -165,6 +211,7 @@ class Trainer:
         self.routers = self.model.routers()
         self.bias_rate = self.model_config.bias_update_rate if tc.bias_update else 0.0
         self.stop_requested = False
+        self.writes_done = False  # every rank's background checkpoint write is done (this step's all-reduce)
         self.recent_losses: deque[float] = deque(maxlen=10)
         self.val_metrics: dict[str, float] = {}
         self.timed = [0, 0.0]  # steps and seconds of this session after its first step (tokens/s)
@@ -205,10 +252,48 @@ class Trainer:
         for name, why in skipped:
             log.warning("resume: skipping checkpoint %s: %s", name, why)
         if folder is None and (explicit is not None or any(not n.endswith(PARTIAL) for n, _ in skipped)):
-            where = explicit or self.ckpt_dir
-            raise CheckpointError(f"train.resume={resume}: no checkpoint in {where} verifies (see above); move the "
-                                  "damaged ones away, or start over with train.resume=none train.overwrite=true")
+            raise CheckpointError(self._no_checkpoint_message(resume, explicit or self.ckpt_dir, skipped))
         return folder
+
+    def _no_checkpoint_message(self, resume: str, where: Path, skipped: list[tuple[str, str]]) -> str:
+        """Why nothing resumes, and what to do: never advice that would delete a checkpoint that may be intact."""
+        worlds = sorted({m.group(1) for _, why in skipped if (m := re.match(r"written by (\d+) ranks", why))})
+        message = f"train.resume={resume}: no checkpoint in {where} can be resumed here (see above). "
+        if worlds:
+            message += (f"Checkpoints written by {' or '.join(worlds)} ranks resume with that many ranks "
+                        f"(torchrun --nproc_per_node {worlds[-1]}; this run has {self.world}). ")
+        damaged = [n for n, why in skipped if not n.endswith(PARTIAL) and not why.startswith("written by")]
+        if damaged:
+            message += (f"Damaged: {', '.join(damaged)}: move those out of {where} to resume from an older one. ")
+        return message + ("To start over and keep every checkpoint, give another run_name (or "
+                          "train.checkpoint_dir); nothing was deleted.")
+
+    def _complete(self, folder: Path, step: int) -> tuple[str, dict[str, Any]]:
+        """(the message, the summary kept) for a run whose checkpoint `folder` is at its last step already."""
+        summary = broadcast(self._read_summary() if self.rank == 0 else None)
+        until = "train.steps" if self.last_step == self.total_steps else "train.stop_at"
+        kept = (f"summary.json is kept (outcome: {summary.get('outcome')}, train loss {summary.get('train_loss')}, "
+                f"val loss {summary.get('val_loss')})" if summary else "there is no summary.json")
+        return (f"run {self.run_dir} is already complete: its checkpoint {folder} is at step {step} = {until}; "
+                f"nothing to train, {kept}. To train on, raise {until} (with train.steps the lr schedule "
+                "follows the new length), or start another run_name.", summary or {})
+
+    def _read_summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _check_memory(self, cfg: DictConfig) -> None:
+        """Log the memory plan (rank 0); on GPUs refuse a run whose estimate exceeds a GPU (train.memory_check)."""
+        plan = plan_memory(cfg, self.model_config, self.world, on_gpu=self.device.type == "cuda")
+        if self.rank == 0:
+            log.info("%s", plan.describe())
+        if self.device.type == "cuda" and bool(self.tc.get("memory_check", True)):  # CPU runs: the plan is told
+            capacity = torch.cuda.get_device_properties(self.device).total_memory
+            refusal = plan.refusal(capacity)
+            if refusal:
+                raise MemoryPlanRefusal(refusal)
 
     def _build_val_loader(self, batch_args: dict[str, Any]):
         if int(self.tc.eval_every) <= 0:
@@ -232,21 +317,26 @@ class Trainer:
         for step in range(self.start_step + 1, last + 1):
             with self.profiler.step(step):  # train.profile_step / profile_python_step only
                 metrics = self.train_step(step)
+            if self.writes_done:  # every rank has written its files of the save in flight: commit it
+                self._commit_save(step)
             stopping = self.stop_requested and step < last
             if _due(int(tc.eval_every), step, last) and not stopping:
                 metrics.update(self.validate())
             if step % int(tc.log_every) == 0 or step == last or metrics["skipped"] or stopping:
                 self.logger.log(step, metrics)
             if self.guard.exhausted:
-                self._summary(step, "non-finite steps")
+                self._wait_for_save(step)
+                self._summary(step, "non-finite steps", NonFiniteStop.exit_code)
                 raise NonFiniteStop(self._nonfinite_message(step))
             save_every = int(tc.save_every or 0)
             if (save_every and step % save_every == 0) or (step == last and tc.save_final) or stopping:
                 self.save(step)
             if stopping:
-                self._summary(step, f"stopped by {self.signals.name}")
+                self._wait_for_save(step)  # the stop's checkpoint is committed before the process exits
+                self._summary(step, f"stopped by {self.signals.name}", 128 + self.signals.signum)
                 raise Preempted(self._preempted_message(step), self.signals.signum)
-        self._summary(last, "completed" if last == self.total_steps else "stopped at train.stop_at")
+        self._wait_for_save(last)
+        self._summary(last, "completed" if last == self.total_steps else "stopped at train.stop_at", 0)
         return metrics
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -256,7 +346,8 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, lm, mtp, z; stop flag (NCCL: on GPU)
+        # loss, lm, mtp, z; one stop flag per STOP_SIGNALS; "my checkpoint write is done" (NCCL: on GPU)
+        sums = torch.zeros(4 + len(STOP_SIGNALS) + 1, dtype=torch.float64, device=device)
         for _ in range(self.accum):
             batch = {k: v.to(device, non_blocking=True) for k, v in self.loader.next_batch().items()}
             out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
@@ -270,12 +361,18 @@ class Trainer:
         applied = engine.was_step_applied()
         # a skipped step leaves the expert biases alone; rate 0 only clears the step's token counts
         loads = update_expert_biases(self.routers, self.bias_rate if applied else 0.0)  # one all-reduce for all
-        sums[4] = 1.0 if self.signals.signum else 0.0
+        if self.signals.signum in STOP_SIGNALS:
+            sums[4 + STOP_SIGNALS.index(self.signals.signum)] = 1.0
+        sums[-1] = 1.0 if self.checkpointer.local_done() else 0.0
         totals = _sum_across_ranks(sums).tolist()  # the step's one host sync (plus DeepSpeed's own)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
-        self.stop_requested = totals[4] > 0
+        stops = [sig for i, sig in enumerate(STOP_SIGNALS) if totals[4 + i] > 0]
+        if stops:  # whichever rank got it: every rank stops, under the same name
+            self.signals.agree(stops[0])
+        self.stop_requested = bool(stops)
+        self.writes_done = self.checkpointer.pending is not None and totals[-1] == self.world
         loss, lm_loss, mtp_loss, z_loss = (v / (self.accum * self.world) for v in totals[:4])
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -329,18 +426,55 @@ class Trainer:
         return self.val_metrics
 
     def save(self, step: int) -> None:
+        """Snapshot step `step` into a checkpoint: written in the background (train.async_save) and committed
+        when every rank is done, or written and committed now."""
         if self.last_saved_step == step:
             return
         if self.guard.streak > 0:
             log.warning("step %d: no checkpoint after a non-finite step; the last good one stays %s", step,
                         self.last_checkpoint or "none (none was written yet)")
             return
-        t0 = time.perf_counter()
+        self._wait_for_save(step)  # one save in flight
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict(),
                  "fp8_monitor": self.monitor.state_dict()}
-        self.last_checkpoint = checkpoint.save(self.engine, self.ckpt_dir, step, state, int(self.tc.keep_last))
+        try:
+            pending = self.checkpointer.start(self.engine, step, state)
+        except CheckpointWriteError as e:
+            self._checkpoint_failed(step, e)
         self.last_saved_step = step
-        log.info("saved checkpoint %s (%.1f s)", self.last_checkpoint, time.perf_counter() - t0)
+        self.save_stall_s += pending.stall_s
+        if pending.write is None:
+            self._commit_save(step)
+        else:
+            log.info("checkpoint %s: snapshot taken in %.1f s (training waited that long); writing it in the "
+                     "background", pending.tag, pending.stall_s)
+
+    def _wait_for_save(self, step: int) -> None:
+        """Wait for the save in flight, if any, and commit it (every rank)."""
+        if self.checkpointer.pending is None:
+            return
+        t0 = time.perf_counter()
+        if self.checkpointer.pending.write is not None:
+            self.checkpointer.pending.write.join()
+        waited = time.perf_counter() - t0
+        self.save_stall_s += waited
+        if waited > 0.05:
+            log.info("waited %.1f s for checkpoint %s to be written", waited, self.checkpointer.pending.tag)
+        self._commit_save(step)
+
+    def _commit_save(self, step: int) -> None:
+        try:
+            done = self.checkpointer.finish()
+        except CheckpointWriteError as e:
+            self._checkpoint_failed(step, e)
+        self.last_checkpoint = done.final
+        where = "in the background" if done.write is not None else "while training waited"
+        log.info("saved checkpoint %s (snapshot %.1f s; written and hashed in %.1f s %s)", done.final, done.stall_s,
+                 done.write_s, where)
+
+    def _checkpoint_failed(self, step: int, error: CheckpointWriteError):
+        self._summary(step, "checkpoint failed", CheckpointError.exit_code)
+        raise CheckpointError(str(error)) from error
 
     # ---------------------------------------------------------------------------------------- the end
     def _nonfinite_message(self, step: int) -> str:
@@ -354,11 +488,12 @@ class Trainer:
     def _preempted_message(self, step: int) -> str:
         saved = (f"saved {self.last_checkpoint}" if self.last_saved_step == step
                  else f"not saved (the last step was not finite); the last good checkpoint is {self.last_checkpoint}")
-        return (f"received {self.signals.name}: stopped after step {step}/{self.total_steps}, {saved}. Resume with "
-                f"the same command and run_name={self.cfg.run_name} (train.resume=auto).")
+        return (f"received {self.signals.description}: stopped after step {step}/{self.total_steps}, {saved}. "
+                f"Resume with the same command and run_name={self.cfg.run_name} (train.resume=auto).")
 
-    def _summary(self, step: int, outcome: str) -> dict[str, Any]:
-        """Log the closing summary and write it to <run dir>/summary.json (rank 0)."""
+    def _summary(self, step: int, outcome: str, exit_code: int) -> dict[str, Any]:
+        """Log the closing summary and write it to <run dir>/summary.json (rank 0), with the workers' exit code
+        (torchrun's own exit code does not carry it: docs/runtime_scale.md)."""
         steps_timed, seconds = self.timed
         summary = {
             "run_dir": str(self.run_dir), "outcome": outcome, "step": step, "total_steps": self.total_steps,
@@ -369,6 +504,7 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step * steps_timed / seconds if seconds else None,
             "peak_mem_gib": peak_memory_gib(self.device), "optim_state_gib": self.optim_state_gib,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "checkpoint_stall_s": self.save_stall_s, "exit_code": exit_code,
         }
         if self.rank == 0:
             atomic_write(self.run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
@@ -383,5 +519,6 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.logger.close()
 
