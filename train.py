@@ -23,6 +23,8 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except StopRun as stop:  # logged by train(); the exit code tells the launcher (no traceback)
         sys.exit(stop.exit_code)
+    except Exception:  # logged by train(), traceback included, to train.log and the console: not again by Hydra
+        sys.exit(1)
 
 
 if __name__ == "__main__":

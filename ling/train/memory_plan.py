@@ -112,8 +112,9 @@ def _saved_input(features: int, fp8: bool, element: int) -> float:
 def activation_bytes_per_token(model: ModelConfig, element: int, tokens: int, fp8_experts: bool = True
                                ) -> dict[str, float]:
     """Bytes autograd keeps per token for backward, by block, without recomputation: {"attention" (one
-    layer's), "dense_mlp", "moe" (router, routed and shared experts of one layer), "mtp_extra" (an MTP depth
-    beyond its decoder layer), "head" (embeddings, final norm, the fused loss's dh per head call)}.
+    layer's), "dense_mlp", "moe" (router, routed and shared experts of one layer), "routed_experts" (the part
+    of "moe" the routed experts keep), "mtp_extra" (an MTP depth beyond its decoder layer), "head" (embeddings,
+    final norm, the fused loss's dh per head call)}.
     `element`: bytes of the activation dtype (2 for bf16); `tokens`: per micro-batch (the routing-map padding's
     share per token).
 
@@ -147,7 +148,8 @@ def activation_bytes_per_token(model: ModelConfig, element: int, tokens: int, fp
     mtp_extra = 2 * norm + 2 * H * a + norm  # enorm, hnorm inputs; eh_proj's bf16 input [2H]; final norm
     heads = 1 + model.num_mtp_layers
     head = 8 * heads + norm + heads * H * a  # token ids; final norm; dh of each fused loss call
-    return {"attention": attention, "dense_mlp": dense, "moe": moe, "mtp_extra": mtp_extra, "head": head}
+    return {"attention": attention, "dense_mlp": dense, "moe": moe, "routed_experts": routed, "mtp_extra": mtp_extra,
+            "head": head}
 
 
 def activation_bytes(setup: MemorySetup) -> float:
