@@ -131,9 +131,9 @@ def run_variant(spec: str, args, profile_step: int | None = None, python_step: i
     profile += [f"train.profile_python_step={python_step}"] if python_step else []
     cmd = [sys.executable, "train.py", f"model={args.model}", "data=synthetic", f"data.vocab_size={args.vocab}",
            f"train.steps={args.steps}", f"train.seq_len={args.seq_len}", f"train.grad_accum={args.grad_accum}",
-           f"train.device={args.device}", "train.save_final=false", "logging.wandb.mode=disabled",
-           "logging.progress_bar=false", f"hydra.run.dir={out_dir}", "optim.warmup_steps=2", *overrides, *profile,
-           *shlex.split(args.extra)]
+           f"train.device={args.device}", "train.save_final=false", "train.memory_check=false",  # the real peak
+           "logging.wandb.mode=disabled", "logging.progress_bar=false", f"hydra.run.dir={out_dir}",
+           "optim.warmup_steps=2", *overrides, *profile, *shlex.split(args.extra)]
     print("$", " ".join(cmd), flush=True)
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=_die_with_parent)

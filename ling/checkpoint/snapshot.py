@@ -77,9 +77,9 @@ class HostBuffers:
     def begin(self) -> None:
         self._next = 0
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
+    def copy(self, t: torch.Tensor, allocate_only: bool = False) -> torch.Tensor:
         """A contiguous host copy of `t` (enqueued on the current stream when `t` is on a GPU and its buffer is
-        pinned: `synchronize` before reading it)."""
+        pinned: `synchronize` before reading it). `allocate_only`: the buffer, nothing copied (`preallocate`)."""
         t = t.detach()
         if not self.keep:
             return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
@@ -95,7 +95,15 @@ class HostBuffers:
                 self._buffers.append(buffer)
                 self._pinned.append(False)
                 self._from_gpu.append(t.is_cuda)
-        return buffer.copy_(t, non_blocking=self._pinned[i])
+        return buffer if allocate_only else buffer.copy_(t, non_blocking=self._pinned[i])
+
+    def preallocate(self, states: list[Any]) -> None:
+        """Allocate (and pin, for GPU tensors) the buffers a snapshot of `states` will take, ahead of it; from a
+        background thread, reading only the tensors' shapes and dtypes."""
+        self.begin()
+        for state in states:
+            snapshot(state, self, allocate_only=True)
+        self.pin_pending()
 
     def pin_pending(self) -> None:
         """Pin the kept buffers of GPU tensors not pinned yet (the first save's); run from the background thread
@@ -126,20 +134,23 @@ class HostBuffers:
         return sum(b.numel() * b.element_size() for b, p in zip(self._buffers, self._pinned) if p)
 
 
-def snapshot(obj: Any, buffers: HostBuffers) -> Any:
+def snapshot(obj: Any, buffers: HostBuffers, allocate_only: bool = False) -> Any:
     """A copy of a (nested) state dict whose tensors are host copies, each with a storage of its own (a view of
-    a flat buffer would otherwise save the whole buffer), and whose other leaves are deep copies."""
+    a flat buffer would otherwise save the whole buffer), and whose other leaves are deep copies.
+    `allocate_only`: only the buffers are taken (HostBuffers.preallocate); the result is not a copy."""
     if isinstance(obj, torch.Tensor):
-        return buffers.copy(obj)
+        return buffers.copy(obj, allocate_only)
+    if allocate_only and not isinstance(obj, (dict, list, tuple)):
+        return None
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps OrderedDict / defaultdict types
         for k, v in obj.items():
-            out[k] = snapshot(v, buffers)
+            out[k] = snapshot(v, buffers, allocate_only)
         return out
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(snapshot(v, buffers) for v in obj))
+        return type(obj)(*(snapshot(v, buffers, allocate_only) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v, buffers) for v in obj)
+        return type(obj)(snapshot(v, buffers, allocate_only) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -158,9 +169,10 @@ def tensor_bytes(obj: Any) -> int:
 class CapturingCheckpointEngine(CheckpointEngine):
     """A DeepSpeed checkpoint engine that writes nothing: `save(state_dict, path)` keeps (path, host snapshot)
     in `entries`. It copies every tensor itself, so DeepSpeed need not clone them first
-    (`preserves_storage_sharing` False)."""
+    (`preserves_storage_sharing` False). `buffers=None` (a probe): keeps the state dicts themselves, makes no
+    directory, copies nothing."""
 
-    def __init__(self, buffers: HostBuffers) -> None:
+    def __init__(self, buffers: HostBuffers | None) -> None:
         super().__init__()
         self.name = "CapturingCheckpointEngine"
         self.buffers = buffers
@@ -169,8 +181,12 @@ class CapturingCheckpointEngine(CheckpointEngine):
     def create(self, info) -> None:
         pass
 
+    def makedirs(self, path, exist_ok=False) -> None:
+        if self.buffers is not None:
+            super().makedirs(path, exist_ok=exist_ok)
+
     def save(self, state_dict, path: str) -> None:
-        self.entries.append((Path(path), snapshot(state_dict, self.buffers)))
+        self.entries.append((Path(path), state_dict if self.buffers is None else snapshot(state_dict, self.buffers)))
 
     def load(self, path: str, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=False)

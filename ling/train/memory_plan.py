@@ -305,3 +305,42 @@ def _changes(base: MemorySetup, other: MemorySetup) -> list[str]:
 
 def _how(changes: list[str]) -> str:
     return "with " + (", ".join(changes[:-1]) + " and " + changes[-1] if len(changes) > 1 else changes[0])
+
+
+def data_vocab_size(cfg: DictConfig) -> int | None:
+    """The vocab the data would give the model without preparing it: synthetic's `vocab_size`, else the
+    tokenizer's configured size."""
+    tokenizer = cfg.data.get("tokenizer")
+    return cfg.data.get("vocab_size") or (tokenizer.get("vocab_size") if tokenizer is not None else None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m ling.train.memory_plan [--world N] [--gpu-gib G] +exp=fp8_mtp [key=value ...]`: the plan of a
+    run (the config as train.py composes it), and on a GPU of G GiB what would fit when it does not."""
+    import argparse
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from ling.config import model_config_from
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--world", type=int, default=1, help="ranks (GPUs) the run would use")
+    parser.add_argument("--gpu-gib", type=float, default=None, help="memory of one GPU (default: this one's)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args.overrides)
+    plan = plan_memory(cfg, model_config_from(cfg, data_vocab_size(cfg)), args.world)
+    print(plan.describe())
+    capacity = args.gpu_gib * GIB if args.gpu_gib else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    if capacity is not None:
+        refusal = plan.refusal(int(capacity), visible_gpus=args.world)
+        print(refusal or f"fits a GPU of {capacity / GIB:.1f} GiB ({CONTEXT_RESERVE / GIB:.0f} GiB kept for the "
+                         "CUDA context and NCCL)")
+
+
+if __name__ == "__main__":
+    main()

@@ -317,6 +317,8 @@ class Trainer:
         for step in range(self.start_step + 1, last + 1):
             with self.profiler.step(step):  # train.profile_step / profile_python_step only
                 metrics = self.train_step(step)
+            if step == self.start_step + 1:  # the optimizer state exists now: pin the snapshot buffers meanwhile
+                self.checkpointer.prepare(self.engine)
             if self.writes_done:  # every rank has written its files of the save in flight: commit it
                 self._commit_save(step)
             stopping = self.stop_requested and step < last

@@ -184,3 +184,27 @@ def test_gpu_snapshots_reuse_pinned_buffers_and_copy_exactly():
     assert torch.equal(second["q"].view(torch.uint8), state["q"].cpu().view(torch.uint8))
     buffers.release()
     assert buffers.pinned_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_buffers_are_pinned_ahead_so_the_first_save_copies_at_pinned_speed_too(tmp_path):
+    """`prepare` (after the first step) captures DeepSpeed's state dicts without copying and allocates and pins
+    their host buffers in the background; the first save then copies into those buffers, and resumes exactly."""
+    engine = engine_for(["deepspeed=zero1"], "cuda")
+    step(engine, 0)
+    saver = Checkpointer(tmp_path, keep_last=0)
+    saver.prepare(engine)
+    saver._preparing.join()
+    pinned = saver.buffers.pinned_bytes
+    assert pinned > 0 and not list(tmp_path.glob("probe*"))  # the probe wrote no folder
+    at_save = full_params(engine)
+    pending = saver.start(engine, 1, {})
+    assert saver.buffers.pinned_bytes == pinned  # the same buffers, none added
+    step(engine, 1)
+    folder = saver.wait().final
+    fresh = engine_for(["deepspeed=zero1"], "cuda")
+    checkpoint.load(fresh, folder)
+    loaded = full_params(fresh)
+    assert all(torch.equal(loaded[n], at_save[n]) for n in at_save)
+    assert pending.stall_s < 5
+    saver.close()
