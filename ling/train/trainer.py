@@ -317,8 +317,8 @@ class Trainer:
         for step in range(self.start_step + 1, last + 1):
             with self.profiler.step(step):  # train.profile_step / profile_python_step only
                 metrics = self.train_step(step)
-            if step == self.start_step + 1:  # the optimizer state exists now: pin the snapshot buffers meanwhile
-                self.checkpointer.prepare(self.engine)
+            if step == self.start_step + 1 and self._saves_ahead(step):  # the optimizer state exists now: pin the
+                self.checkpointer.prepare(self.engine)  # snapshot's host buffers in the background meanwhile
             if self.writes_done:  # every rank has written its files of the save in flight: commit it
                 self._commit_save(step)
             stopping = self.stop_requested and step < last
@@ -340,6 +340,11 @@ class Trainer:
         self._wait_for_save(last)
         self._summary(last, "completed" if last == self.total_steps else "stopped at train.stop_at", 0)
         return metrics
+
+    def _saves_ahead(self, step: int) -> bool:
+        """Whether this session will save after `step` (train.save_every, train.save_final)."""
+        every = int(self.tc.save_every or 0)
+        return bool(self.tc.save_final) or (every > 0 and (step // every + 1) * every <= self.last_step)
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Optimizer step `step` (1-based; grad_accum micro-batches); returns its metrics, rank-averaged."""
