@@ -1,5 +1,6 @@
-"""Grouped blockwise FP8 GEMMs for MoE experts (Triton) with their PyTorch references, the row gather / sum
-ops of dispatch and combine, and the FP8 grouped-experts autograd function.
+"""Grouped blockwise FP8 GEMMs for MoE experts (Triton) with their PyTorch references, the quantizers and SwiGLU
+kernels around them, and the FP8 grouped-experts autograd function (the row gather and ordered sum of dispatch
+and combine it uses are kernels/rows.py's).
 
 Layout (`GroupedRows`): the M rows of an activation are sorted into contiguous per-expert segments; segment g
 is rows offsets[g] : offsets[g + 1] (any length, 0 included). Rows from offsets[G] to M are unused (the
@@ -28,37 +29,43 @@ weight gradients from high-precision operands instead (`grouped_wgrad_bf16`: tor
 accumulation): dW_down[e] = Σ dy_rᵀ a_r and dW_gate_up[e] = Σ dh_rᵀ x_r over expert e's rows, with a recomputed
 from the FP8 h in the activations' dtype (`swiglu_output`). The forward then saves the tokens x [T, H] in their
 own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-dim quantization runs at all.
+
+Launch configuration: `GroupedConfig` (the GEMM tiles per kind and the SwiGLU kernels' row blocks), its default
+beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...))` forces another inside a block.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, Fusable, cdiv, use_triton
+from fp8.format import BLOCK, E4M3
 from fp8.quant import (
-    QUANT_OPTIONS,
-    _launch_rows,
+    QUANT_TUNING,
     dequantize_1x128,
     dequantize_128x128,
     fp8_transpose_128x128,
     quantize_1x128_ref,
+    quantize_1x128_triton,
     quantize_128x128,
 )
+from kernels.backend import HAS_TRITON, cdiv, num_sms, tl, tma_compatible, triton, use_triton
+from kernels.fusable import Fusable
+from kernels.rows import gather_rows, gather_rows_ref, sum_rows
+from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8.gemm import _b_scale_ptrs, _num_sms, _promote
-    from fp8.quant import _scale_from_amax
+    from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl
 
 __all__ = [
     "GroupedRows",
     "GroupedGemmConfig",
+    "GroupedConfig",
+    "GROUPED_TUNING",
     "grouped_gemm",
     "grouped_gemm_ref",
     "grouped_gemm_wgrad",
@@ -68,15 +75,12 @@ __all__ = [
     "quantize_tokens_grouped_ref",
     "swiglu_quantize",
     "swiglu_backward",
-    "gather_rows",
-    "sum_rows",
     "fp8_grouped_experts",
     "quantize_expert_weights",
     "swiglu_quantize_tokens",
     "swiglu_output",
     "grouped_wgrad_bf16",
     "EXPERT_WGRAD",
-    "set_grouped_config",
 ]
 
 
@@ -149,23 +153,12 @@ def _search_steps(groups: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # References (CPU path and tests): loops over segments on the host
 # ----------------------------------------------------------------------------------------------------------
-def _gathered(x: torch.Tensor, row_idx: torch.Tensor | None) -> torch.Tensor:
-    """x[row_idx] with zero rows where row_idx < 0 (or x itself)."""
-    if row_idx is None:
-        return x
-    idx = row_idx.long()
-    if x.shape[0] == 0:  # no source rows (an expert-parallel rank that received none): every row reads zeros
-        return x.new_zeros(idx.numel(), *x.shape[1:])
-    out = x[idx.clamp(min=0)]
-    return out.masked_fill((idx < 0)[:, None], 0)
-
-
 def quantize_tokens_grouped_ref(
     x: torch.Tensor, rows: GroupedRows, row_idx: torch.Tensor | None = None, pow2_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of `quantize_tokens_grouped`: (E4M3 [K, M], fp32 scale [K, max_blocks]) with 1x128 blocks along
     the token dim restarting at every segment start. Unused columns are zero."""
-    src = _gathered(x, row_idx).float()
+    src = gather_rows_ref(x, row_idx).float()
     k = src.shape[1]
     qt = torch.zeros(k, rows.num_rows, dtype=E4M3, device=x.device)
     st = torch.zeros(rows.max_blocks(), k, dtype=torch.float32, device=x.device).t()
@@ -304,7 +297,7 @@ if HAS_TRITON:
             offs_am = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the segment are computed, never stored
             offs_bn = offs_n % N
             as_ptrs = as_ptr + offs_am * stride_asm
-            bs_ptrs = _b_scale_ptrs(bs_ptr + g * stride_bsg, pid_n, offs_bn, stride_bsn, True, BLOCK_N)
+            bs_ptrs = b_scale_ptrs(bs_ptr + g * stride_bsg, pid_n, offs_bn, stride_bsn, True, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
@@ -322,7 +315,7 @@ if HAS_TRITON:
                     b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk, mask=k_ok[None, :], other=0.0)
                 sa = tl.load(as_ptrs + kb * stride_ask)
                 sb = tl.load(bs_ptrs + kb * stride_bsk)
-                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
+                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < seg_end)[:, None] & (offs_n < N)[None, :])
 
@@ -370,7 +363,7 @@ if HAS_TRITON:
                 b = tl.load(b_base + t0 * stride_bm + b_off, mask=t_ok, other=0.0)
                 sa = tl.load(as_ptr + (n0 + n_ld) * stride_asn + (blk0 + j) * stride_asb)
                 sb = tl.load(bs_ptr + (k0 + k_ld) * stride_bsk + (blk0 + j) * stride_bsb)
-                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
+                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
             c_base = c_ptr + g.to(tl.int64) * stride_cg + n0.to(tl.int64) * stride_cn + k0 * stride_ck
             c_mask = (rn < N - n0)[:, None] & (rk < K - k0)[None, :]
             tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck, acc.to(c_ptr.dtype.element_ty),
@@ -424,7 +417,7 @@ if HAS_TRITON:
         else:
             v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
             v = v.to(tl.float32)
-        scale = _scale_from_amax(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
+        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
         q = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
         tl.store(qt_ptr + offs_k[None, :] * stride_qtk + rows[:, None] * stride_qtm, q,
                  mask=in_seg[:, None] & k_ok[None, :])  # fmt: skip
@@ -433,7 +426,7 @@ if HAS_TRITON:
     @triton.jit
     def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
         """Quantize a [rows, 128] fp32 block 1x128 along its columns; store the codes and the row scales."""
-        scale = _scale_from_amax(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
+        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
         tl.store(q_ptrs, tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv), mask=mask)
         tl.store(s_ptrs, scale, mask=m_ok)
 
@@ -511,40 +504,9 @@ if HAS_TRITON:
             _quant_block(du.to(tl.float32), dqp + (INTER + cols)[None, :] * stride_dqk, up_scales, mask, m_ok, POW2)
         tl.store(dgate_ptr + rows, d_gate, mask=m_ok)
 
-    @triton.jit
-    def _gather_rows_kernel(
-        x_ptr, idx_ptr, out_ptr, R, H, stride_xm, stride_xh, stride_om, stride_oh,
-        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        r_ok = rows < R
-        h_ok = (cols < H)[None, :]
-        src = tl.load(idx_ptr + rows, mask=r_ok, other=-1)
-        v = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :] * stride_xh, mask=(src >= 0)[:, None] & h_ok,
-                    other=0.0)  # fmt: skip
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oh, v, mask=r_ok[:, None] & h_ok)
-
-    @triton.jit
-    def _sum_rows_kernel(
-        y_ptr, pos_ptr, out_ptr, T, H, stride_ym, stride_yh, stride_ot, stride_oh,
-        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        """out[t] = Σ_j y[pos[t, j]] summed in fp32 in slot order (deterministic)."""
-        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (toks < T)[:, None] & (cols < H)[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            r = tl.load(pos_ptr + toks * TOPK + j, mask=toks < T, other=0)
-            acc += tl.load(y_ptr + r[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yh, mask=mask,
-                           other=0.0).to(tl.float32)  # fmt: skip
-        tl.store(out_ptr + toks[:, None] * stride_ot + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
-
 
 # ----------------------------------------------------------------------------------------------------------
-# Launch configuration (defaults beside the kernels; the benchmark's sweep may override them)
+# Launch configuration (the default beside the kernels; a benchmark's sweep or a test overrides it in a block)
 # ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GroupedGemmConfig:
@@ -562,49 +524,36 @@ class GroupedGemmConfig:
     programs_per_sm: int = 1
 
 
-# Defaults per GEMM kind ("fprop" covers forward and dgrad). H200 sweep (bench/bench_moe.py --sweep, 16384 tokens,
-# 256 experts, top-8): 64x128 tiles, 4 warps, 3 stages, TMA loads and 3 programs per SM won on all three
-# forward/dgrad shapes (825, 517 and 710 TFLOPS for K = 2048, 512, 1024; 128x128 with 8 warps: 661, 390, 550):
-# three programs per SM overlap one program's epilogue with the others' K loops, which are short at these
-# shapes. Wgrad: 64x128, 4 warps, 3 stages, 2 per SM (333 and 318 TFLOPS; 128x128 with 8 warps: 293).
-GROUPED_CONFIGS: dict[str, GroupedGemmConfig] = {
-    "fprop": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
-    "wgrad": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=False, programs_per_sm=2),
-}
-# small tiles keep Triton's CPU interpreter fast
-_INTERPRETER_CONFIGS: dict[str, GroupedGemmConfig] = {
-    "fprop": GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
-    "wgrad": GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
-}
-# Launch options of the memory-bound grouped kernels (rows per program).
-GROUPED_OPTIONS: dict[str, int] = {"swiglu_block_m": 8, "swiglu_bwd_block_m": 8}  # H200 sweep: 0.21 / 0.23 ms at
-# 131k rows x 1024 (32 rows: 0.28 / 0.33 ms)
-_OVERRIDE: dict[str, GroupedGemmConfig | None] = {k: None for k in GROUPED_CONFIGS}
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch configuration of the grouped kernels: the GEMM tiles per kind ("fprop" covers forward and dgrad)
+    and the rows per program of the memory-bound SwiGLU kernels.
+
+    The defaults won the H200 sweep (bench/bench_moe.py --sweep, 16384 tokens, 256 experts, top-8; figures:
+    docs/kernel_tuning.md): 64x128 tiles with 4 warps and 3 stages for both kinds, TMA loads and 3 programs per SM
+    for forward/dgrad (three programs per SM overlap one program's epilogue with the others' K loops, which are
+    short at these shapes), 2 per SM for wgrad; 8 rows per SwiGLU program."""
+
+    fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
+    wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=False,
+                                                 programs_per_sm=2)  # fmt: skip
+    swiglu_block_m: int = 8  # rows per program of swiglu_quantize
+    swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
 
 
-def _config(kind: str) -> GroupedGemmConfig:
-    if _OVERRIDE[kind] is not None:
-        return _OVERRIDE[kind]  # type: ignore[return-value]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return _INTERPRETER_CONFIGS[kind]
-    return GROUPED_CONFIGS[kind]
-
-
-def set_grouped_config(kind: str, cfg: GroupedGemmConfig | None) -> None:
-    """Force the tile configuration of `kind` in {"fprop", "wgrad"}; None restores the default."""
-    if kind not in _OVERRIDE:
-        raise ValueError(f"kind must be one of {sorted(_OVERRIDE)}, got {kind!r}")
-    _OVERRIDE[kind] = cfg
+GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
+    "fp8.grouped",
+    GroupedConfig(),
+    interpreter=GroupedConfig(  # small tiles keep Triton's CPU interpreter fast
+        fprop=GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
+        wgrad=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
+    ),
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Public ops
 # ----------------------------------------------------------------------------------------------------------
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in tensors)  # fmt: skip
-
-
 def grouped_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
     out_dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None,
@@ -623,18 +572,16 @@ def grouped_gemm(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config("fprop")
+    cfg = GROUPED_TUNING.current().fprop
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0 or n == 0 or k == 0:
         return c.zero_()
     tiles = rows.block_offsets(cfg.block_m)
     max_tiles = rows.max_blocks(cfg.block_m) * cdiv(n, cfg.block_n)
-    progs = max(1, min(max_tiles, _num_sms(a.device) * cfg.programs_per_sm))
-    tma = cfg.tma and _tma_ok(a, b)
+    progs = max(1, min(max_tiles, num_sms(a.device) * cfg.programs_per_sm))
+    tma = cfg.tma and tma_compatible(a, b)
     a_desc = b_desc = a
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         b2 = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
         b_desc = TensorDescriptor.from_tensor(b2.view(g * n, k), [cfg.block_n, BLOCK])
@@ -665,13 +612,13 @@ def grouped_gemm_wgrad(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config("wgrad")
+    cfg = GROUPED_TUNING.current().wgrad
     g = rows.num_groups
     c = torch.empty(g, n, k, device=a.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
     tiles = g * cdiv(n, cfg.block_m) * cdiv(k, cfg.block_n)
-    progs = max(1, min(tiles, _num_sms(a.device) * cfg.programs_per_sm))
+    progs = max(1, min(tiles, num_sms(a.device) * cfg.programs_per_sm))
     _grouped_wgrad_kernel[(progs,)](
         a, b, c, a_scale, b_scale, rows.offsets, rows.block_offsets(), n, k, g,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
@@ -691,8 +638,8 @@ def quantize_rows_gathered(
     x [T, K] float, row_idx int32 [M] → (E4M3 [M, K], fp32 scale [M, ceil(K/128)] with the row index fastest).
     With `rows`, rows from rows.total on are left unwritten (the reference writes zeros)."""
     if not use_triton(x, backend):
-        return quantize_1x128_ref(_gathered(x, row_idx), pow2_scales)
-    return _launch_rows(x, pow2_scales, row_idx=row_idx, total=rows.total if rows is not None else None)
+        return quantize_1x128_ref(gather_rows_ref(x, row_idx), pow2_scales)
+    return quantize_1x128_triton(x, pow2_scales, row_idx=row_idx, total=rows.total if rows is not None else None)
 
 
 def quantize_tokens_grouped(
@@ -716,7 +663,8 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
     nb = rows.max_blocks()
     st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
     if m and k:
-        bf = QUANT_OPTIONS["col_block_f"]
+        quant = QUANT_TUNING.current()  # the token-dim chunk shape of fp8/quant.py's kernel
+        bf = quant.col_block_f
         dummy = st
         xs_ = xs if xs is not None else dummy
         _quant_tokens_grouped_kernel[(nb, cdiv(k, bf))](
@@ -725,7 +673,7 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
             x.stride(0), x.stride(1), xs_.stride(0), xs_.stride(1), qt.stride(0), qt.stride(1), st.stride(0),
             st.stride(1),
             BLOCK_F=bf, PROLOGUE=prologue, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0,
-            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=QUANT_OPTIONS["col_warps"],
+            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=quant.col_warps,
         )  # fmt: skip
     return qt, st
 
@@ -747,7 +695,7 @@ def swiglu_quantize(
     a_s = torch.empty(inter // BLOCK, m, device=h.device, dtype=torch.float32).t()
     h_q = torch.empty(m, two_i, device=h.device, dtype=E4M3) if save_h else a_q
     h_s = torch.empty(two_i // BLOCK, m, device=h.device, dtype=torch.float32).t() if save_h else a_s
-    bm = GROUPED_OPTIONS["swiglu_block_m"]
+    bm = GROUPED_TUNING.current().swiglu_block_m
     _swiglu_quant_kernel[(cdiv(m, bm), inter // BLOCK)](
         h, row_gate, a_q, a_s, h_q, h_s, rows.total, m, inter,
         h.stride(0), h.stride(1), a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
@@ -800,7 +748,7 @@ def swiglu_backward(
     dh_q = torch.empty(m, two_i, device=da.device, dtype=E4M3)
     dh_s = torch.empty(two_i // BLOCK, m, device=da.device, dtype=torch.float32).t()
     d_gate = torch.empty(m, device=da.device, dtype=torch.float32)
-    bm = GROUPED_OPTIONS["swiglu_bwd_block_m"]
+    bm = GROUPED_TUNING.current().swiglu_bwd_block_m
     _swiglu_bwd_kernel[(cdiv(m, bm),)](
         h_q, h_s, da, row_gate, dh, dh_q, dh_s, d_gate, rows.total, m, inter,
         h_q.stride(0), h_q.stride(1), h_s.stride(0), h_s.stride(1), da.stride(0), da.stride(1),
@@ -808,42 +756,6 @@ def swiglu_backward(
         BLOCK_M=bm, POW2=pow2_scales, num_warps=4,
     )  # fmt: skip
     return dh, dh_q, dh_s, d_gate
-
-
-def gather_rows(x: torch.Tensor, row_idx: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """out [M, H] = x[row_idx] with zero rows where row_idx < 0 (the dispatch permutation)."""
-    if not use_triton(x, backend):
-        return _gathered(x, row_idx)
-    r, h = row_idx.shape[0], x.shape[1]
-    out = torch.empty(r, h, device=x.device, dtype=x.dtype)
-    if r and h:
-        _gather_rows_kernel[(cdiv(r, 32), cdiv(h, 256))](
-            x, row_idx, out, r, h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), BLOCK_R=32, BLOCK_H=256,
-        )  # fmt: skip
-    return out
-
-
-def sum_rows(y: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-             backend: str | None = None) -> torch.Tensor:  # fmt: skip
-    """out [T, H] = Σ_j y[pos[t, j]] (pos int32 [T, k]), summed in fp32 in slot order, cast to out_dtype (the
-    combine; also the adjoint of `gather_rows`). Deterministic: no atomics."""
-    out_dtype = out_dtype or y.dtype
-    if not use_triton(y, backend):
-        idx = pos.long()
-        acc = y[idx[:, 0]].float()
-        for j in range(1, idx.shape[1]):  # slot order, as the kernel sums
-            acc += y[idx[:, j]].float()
-        return acc.to(out_dtype)
-    t, k = pos.shape
-    h = y.shape[1]
-    out = torch.empty(t, h, device=y.device, dtype=out_dtype)
-    if t and h:
-        pos = pos.contiguous()
-        _sum_rows_kernel[(cdiv(t, 16), cdiv(h, 256))](
-            y, pos, out, t, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1), TOPK=k, BLOCK_T=16,
-            BLOCK_H=256,
-        )  # fmt: skip
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -278,7 +278,7 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
                                 ablate)
     # DeepSpeed writes updated weights through `.data` (no autograd version bump): after every optimizer step
     # (whoever calls it: ZeRO's wrapper, a test, another loop) each FP8 weight cache is re-quantized once.
-    optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches())
+    optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches(model))
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

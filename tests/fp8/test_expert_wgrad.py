@@ -17,7 +17,6 @@ from omegaconf import open_dict
 
 from fp8.grouped import (
     fp8_grouped_experts,
-    gather_rows,
     grouped_gemm,
     grouped_gemm_wgrad,
     grouped_wgrad_bf16,
@@ -30,6 +29,7 @@ from fp8.grouped import (
     swiglu_quantize_tokens,
 )
 from fp8.quant import dequantize_1x128, fp8_transpose_128x128, quantize_1x128
+from kernels.rows import gather_rows
 from model.dispatch import plan_dispatch
 from model.moe import GroupedExperts, MoE
 from tests.fp8.test_fp8_grouped import data_rows, layout

@@ -10,14 +10,12 @@ import torch
 
 from fp8.grouped import (
     GroupedRows,
-    gather_rows,
     grouped_gemm,
     grouped_gemm_wgrad,
     quantize_expert_weights,
     quantize_rows_gathered,
     quantize_tokens_grouped,
     quantize_tokens_grouped_ref,
-    sum_rows,
     swiglu_backward,
     swiglu_backward_ref,
     swiglu_quantize,
@@ -25,6 +23,7 @@ from fp8.grouped import (
     swiglu_quantize_tokens,
 )
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
+from kernels.rows import gather_rows, sum_rows
 from tests.fp8.test_fp8_quant import DEVICES, bits_equal, setup_device
 
 # segment lengths: empty experts, segments shorter than 16 and than a tile, one longer than two 128-row tiles

@@ -136,7 +136,7 @@ def test_weight_cache_once_per_step():
     opt.step()  # in-place update bumps weight._version -> re-quantized once
     q2, _ = layer.quantized_weight()
     assert q2 is not q1 and layer.quantized_weight()[0] is q2
-    invalidate_fp8_weight_caches()
+    invalidate_fp8_weight_caches(layer)
     assert layer.quantized_weight()[0] is not q2
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fp8.quant import (
+    QUANT_TUNING,
     dequantize_1x128,
     e4m3_code_distance,
     fp8_transpose_128x128,
@@ -91,28 +92,25 @@ def test_quantize_128x128_bit_exact(device, shape, pow2, request):
     ],
     ids=["default", "f64-w8", "f128"],
 )
-def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request, monkeypatch):
+def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request):
     setup_device(device, request)
-    from fp8 import quant
-
-    for key, val in opts.items():  # launch variants must not change a single bit
-        monkeypatch.setitem(quant.QUANT_OPTIONS, key, val)
     x = rand(*shape, device)
-    qt, st = quantize_1x128_transposed(x, None, pow2, backend="triton")
-    qtr, str_ = quantize_1x128_transposed_ref(x.cpu(), None, pow2)
-    assert qt.shape == (shape[1], shape[0]) and st.shape == (shape[1], -(-shape[0] // 128))
-    assert bits_equal(qt, qtr) and bits_equal(st, str_)
-    # same thing as quantizing a materialised transpose
-    q2, s2 = quantize_1x128_ref(x.cpu().t().contiguous(), pow2)
-    assert bits_equal(qt, q2) and bits_equal(st, s2)
-    # from the FP8 x (the wgrad path): dequantize in registers, re-quantize along tokens
-    xq, xs = quantize_1x128(x, pow2, backend="triton")
-    qt, st = quantize_1x128_transposed(xq, xs, pow2, backend="triton")
-    qtr, str_ = quantize_1x128_transposed_ref(xq.cpu(), xs.cpu(), pow2)
-    assert bits_equal(qt, qtr) and bits_equal(st, str_)
-    outs = quantize_1x128_dual(x, pow2, backend="triton")
-    refs = quantize_1x128_dual(x.cpu(), pow2, backend="torch")
-    assert all(bits_equal(a, b) for a, b in zip(outs, refs))
+    with QUANT_TUNING.override(**opts):  # launch variants must not change a single bit
+        qt, st = quantize_1x128_transposed(x, None, pow2, backend="triton")
+        qtr, str_ = quantize_1x128_transposed_ref(x.cpu(), None, pow2)
+        assert qt.shape == (shape[1], shape[0]) and st.shape == (shape[1], -(-shape[0] // 128))
+        assert bits_equal(qt, qtr) and bits_equal(st, str_)
+        # same thing as quantizing a materialised transpose
+        q2, s2 = quantize_1x128_ref(x.cpu().t().contiguous(), pow2)
+        assert bits_equal(qt, q2) and bits_equal(st, s2)
+        # from the FP8 x (the wgrad path): dequantize in registers, re-quantize along tokens
+        xq, xs = quantize_1x128(x, pow2, backend="triton")
+        qt, st = quantize_1x128_transposed(xq, xs, pow2, backend="triton")
+        qtr, str_ = quantize_1x128_transposed_ref(xq.cpu(), xs.cpu(), pow2)
+        assert bits_equal(qt, qtr) and bits_equal(st, str_)
+        outs = quantize_1x128_dual(x, pow2, backend="triton")
+        refs = quantize_1x128_dual(x.cpu(), pow2, backend="torch")
+        assert all(bits_equal(a, b) for a, b in zip(outs, refs))
 
 
 def test_scale_definition():

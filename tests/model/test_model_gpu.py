@@ -113,7 +113,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_flex_document_attention_fused_loss_and_recompute_match_the_reference_paths_in_bf16(moe):
-    """bf16 on GPU: every fast path against today's (dense mask, materialised logits, no recompute)."""
+    """bf16 on GPU: every fast path against the plain one (dense mask, materialised logits, no recompute)."""
     cfg = ModelConfig.preset("tiny", vocab_size=4096) if moe else _dense_tiny()
     ref_loss, ref_grads = _loss_and_grads(cfg.replace(document_attention="dense"), return_logits=True)
     variants = {"flex": _loss_and_grads(cfg.replace(document_attention="flex"), return_logits=True),

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels.interpreter import fixed_fp8_cast
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 from model.moe import MoE
@@ -194,8 +195,6 @@ def main() -> None:
                 results[(precision, pad, False)] = check_layer(precision, pad, False, rank, world)
         results[("fp8", True, True)] = check_layer("fp8", True, True, rank, world)
         if os.environ.get("TRITON_INTERPRET") == "1":
-            from tests.triton_cpu import fixed_fp8_cast
-
             os.environ["LING_FP8_BACKEND"] = "triton"
             with fixed_fp8_cast():
                 # fewer experts: the interpreter's cost grows with the kernels' tile count, not with the tokens

@@ -114,12 +114,3 @@ def test_fp8_adamw_with_elastic_checkpoint_is_refused_up_front():
     cfg = compose_cfg(["+exp=tiny_cpu", "optim=fp8_adamw", "+deepspeed.zero_extra.elastic_checkpoint=true"])
     with pytest.raises(ValueError, match="elastic_checkpoint"):
         build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
-
-
-def test_the_config_knows_the_expert_wgrad_modes_the_kernels_offer():
-    """model/config.py keeps its own copy of fp8.grouped.EXPERT_WGRAD (the config module imports nothing of the
-    project); the two must name the same modes."""
-    from fp8.grouped import EXPERT_WGRAD as KERNELS
-    from model.config import EXPERT_WGRAD as CONFIG
-
-    assert CONFIG == KERNELS

@@ -22,6 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kernels.interpreter import interpreter_available
 from ling.checkpoint.reshard import SavedZeroState
 from ling.checkpoint.store import read_expert_shards, verify
 from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
@@ -206,8 +207,6 @@ def test_layer_split_over_two_ranks_is_bit_identical_to_the_whole_layer(tmp_path
     """Routed experts (output, input and gate gradients, every expert gradient) for fp32 and FP8 experts, with and
     without padding, a rank receiving no rows, and (Triton interpreter) the FP8 kernels; initial weights and HF
     import; see tests/runtime/ep_worker.py."""
-    from tests.triton_cpu import interpreter_available
-
     ranks = launch(2, "layer", tmp_path / "layer.pt", interpret=interpreter_available())
     for rank, found in enumerate(ranks):
         assert len([k for k in found if isinstance(k, tuple)]) == 5 and ("triton" in found) == interpreter_available()
