@@ -58,8 +58,9 @@ def substituted(owner: Any, name: str, original: Any, replacement: Any) -> Itera
     swapped it): substituting then would change something other than what this module was checked against."""
     current = getattr(owner, name, None)
     if current is not original:
+        what = getattr(replacement, "__name__", replacement)
         raise DeepSpeedIncompatible(f"{getattr(owner, '__name__', owner)}.{name} is {current!r}, expected "
-                                    f"{original!r}: the substitution of {replacement.__name__} does not apply")
+                                    f"{original!r}: the substitution of {what} does not apply")
     setattr(owner, name, replacement)
     try:
         yield
