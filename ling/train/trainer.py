@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,15 @@ from ling.train.logger import MetricsLogger, setup_logging, truncate_metrics
 from ling.train.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
 from ling.train.preemption import Preempted, StopSignals
 from ling.train.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run
+from model.config import ModelConfig
 from model.layers import scope
 from model.ling import count_parameters
 from model.moe import update_expert_biases
 
 log = logging.getLogger(__name__)
 FRESH = ("none", "null", "None", "")
+# (run config, model config, device) → (DeepSpeed engine, lr scheduler): how the trainer gets its engine
+EngineFactory = Callable[[DictConfig, ModelConfig, torch.device], tuple[Any, Any]]
 
 
 class CheckpointError(StopRun):
@@ -78,8 +82,10 @@ def _due(every: int, step: int, total: int) -> bool:
     return every > 0 and (step % every == 0 or step == total)
 
 
-def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
-    """Run `cfg.train.steps` optimizer steps; returns the last step's metrics (rank-averaged)."""
+def train(cfg: DictConfig, run_dir: Path | None = None, *,
+          build_engine: EngineFactory = build_engine) -> dict[str, Any]:
+    """Run `cfg.train.steps` optimizer steps; returns the last step's metrics (rank-averaged). `build_engine`
+    makes the engine (ling.train.engine.build_engine; a test may wrap it to see or instrument the engine)."""
     init_distributed()
     rank, _ = rank_world()
     run_dir = Path(run_dir) if run_dir is not None else run_dir_from_hydra()
@@ -92,7 +98,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
             stack.enter_context(deterministic_mode(bool(cfg.train.get("deterministic", False))))  # before any CUDA GEMM
             stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
             signals = stack.enter_context(StopSignals())
-            trainer = Trainer(cfg, run_dir, signals)
+            trainer = Trainer(cfg, run_dir, signals, build_engine=build_engine)
             stack.callback(trainer.close)
             return trainer.fit()
         except StopRun as stop:  # a refusal, a preemption, too many non-finite steps: said once, by rank 0
@@ -102,9 +108,11 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 
 class Trainer:
-    """Builds data, model and engine, resumes, and runs the loop (`fit`). All ranks construct one."""
+    """Builds data, model and engine (through `build_engine`, see `train`), resumes, and runs the loop (`fit`).
+    All ranks construct one."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, signals: StopSignals) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, signals: StopSignals, *,
+                 build_engine: EngineFactory = build_engine) -> None:
         init_distributed()
         self.cfg, self.run_dir, self.signals = cfg, run_dir, signals
         tc = self.tc = cfg.train

@@ -13,6 +13,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ling.analysis.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
+from ling.train.engine import build_engine
 from ling.train.trainer import train
 from tests.runtime.test_config import CONF
 
@@ -23,15 +24,10 @@ TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len
 
 def run(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[dict], list]:
     """train() on the tiny model; → (metrics.jsonl lines, the module's parameters)."""
-    import ling.train.trainer as trainer
-
     engines = []
-    real_build = trainer.build_engine
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "build_engine", lambda *a, **k: engines.append(real_build(*a, **k)) or engines[-1])
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*TINY, *extra])
-        train(cfg, run_dir=tmp_path / name)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY, *extra])
+    train(cfg, run_dir=tmp_path / name, build_engine=lambda *a: engines.append(build_engine(*a)) or engines[-1])
     lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return lines, list(engines[0][0].module.parameters())
 

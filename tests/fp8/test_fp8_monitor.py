@@ -172,24 +172,23 @@ def compose_run(steps: int, extra: list[str]):
             "fp8.monitor.thresholds.grad.underflow=null", "fp8.monitor.thresholds.gradT.underflow=null", *extra])
 
 
-def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatch):
+def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path):
     """One linear is fed underflowing inputs (a forward pre-hook, in every run alike); its alarm at the first
     sampled step switches it to high precision; a run resumed from a later checkpoint keeps it there and
     reproduces the uninterrupted run's losses exactly."""
     import ling.train.trainer as trainer
+    from ling.train.engine import build_engine
 
     models = []
-    real_build = trainer.build_engine
 
     def build(*a, **k):
-        engine, sched = real_build(*a, **k)
+        engine, sched = build_engine(*a, **k)
         layer = engine.module.get_submodule(WATCHED)
         layer.register_forward_pre_hook(lambda m, args: (args[0] * underflowing_input(1, args[0].shape[-1]),))
         models.append(engine.module)
         return engine, sched
 
-    monkeypatch.setattr(trainer, "build_engine", build)
-    trainer.train(compose_run(6, ["train.resume=none"]), run_dir=tmp_path / "straight")
+    trainer.train(compose_run(6, ["train.resume=none"]), run_dir=tmp_path / "straight", build_engine=build)
     straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     log_lines = (tmp_path / "straight" / "train.log").read_text().splitlines()
     alarms = [line for line in log_lines if "FP8 health alarm" in line]
@@ -209,7 +208,7 @@ def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatc
 
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step00000004",
                     resumed_dir / "checkpoints" / "step00000004")
-    trainer.train(compose_run(6, ["train.resume=auto"]), run_dir=resumed_dir)
+    trainer.train(compose_run(6, ["train.resume=auto"]), run_dir=resumed_dir, build_engine=build)
     assert not models[1].get_submodule(WATCHED).use_fp8
     resumed = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [5, 6]

@@ -239,7 +239,8 @@ def test_four_ranks_ep2_experts_differ_across_ep_ranks_and_match_on_replicas(tmp
 
 def test_ep_size_must_divide_the_experts_and_the_world_and_needs_zero_1_or_2():
     cfg = OmegaConf.create({"model": {"preset": "tiny", "vocab_size": 64}, "moe": {"ep_size": 3},
-                            "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "pow2_scales": False}})
+                            "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "pow2_scales": False,
+                                                                       "expert_wgrad": "fp8"}})
     with pytest.raises(ValueError, match=r"moe.ep_size=3 must be a positive divisor of model.num_experts=16"):
         model_config_from(cfg, None)
     cfg.moe.ep_size = 4

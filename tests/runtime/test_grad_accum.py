@@ -42,7 +42,7 @@ def test_fp32_accumulation_is_exact_and_bf16_is_not():
     assert got["3:fp32"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     # ZeRO-1 + fp32 is DeepSpeed's BF16_Optimizer; exact only because ling/train/engine.py makes it communicate in fp32
     assert got["1:fp32"]["optimizer"] == "LeanBF16Optimizer" and got["1:null"]["optimizer"] == "DeepSpeedZeroOptimizer"
-    # ling.engine's lean hook (a mixed-dtype in-place add) sums the same bits as DeepSpeed's own (cast, then add)
+    # the lean hook (ling/train/deepspeed_compat.py: a mixed-dtype in-place add) sums the same bits as DeepSpeed's own
     assert got["1:fp32:stock"]["optimizer"] == "BF16_Optimizer"
     assert got["1:fp32"]["digest"] == got["1:fp32:stock"]["digest"], got
 
