@@ -16,8 +16,8 @@ from ling.analysis.evaluate import evaluate, run_eval, split_steps
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ModelConfig.preset("tiny", vocab_size=200, num_layers=2, num_experts=8, num_expert_groups=4,
                            topk_groups=2, num_experts_per_tok=2, num_mtp_layers=2)
 

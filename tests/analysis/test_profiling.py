@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from ling.analysis.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
 from ling.train.trainer import train
-from tests.runtime.test_config import CONF
+from tests.helpers import CONF
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len=32", "model.num_layers=2",
         "train.micro_batch_size=2", "train.grad_accum=2", "deepspeed=zero2", "logging.wandb.mode=disabled",

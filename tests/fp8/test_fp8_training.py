@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from fp8.linear import FP8Linear
 from fp8.quant import quantize_128x128
 from ling.train.trainer import train
-from tests.runtime.test_config import CONF
+from tests.helpers import CONF
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -10,8 +10,7 @@ import json
 
 import pytest
 
-from tests.runtime.test_config import compose_cfg
-from tests.runtime.test_train_loop import COMMON, metrics_of, same_losses
+from tests.helpers import COMMON, compose_cfg, metrics_of, same_losses
 
 BASE = ["train.steps=8", "train.eval_every=0"]
 FP8_ADAM = ["optim=fp8_adamw", "optim.min_fp8_numel=0"]

@@ -9,10 +9,9 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from ling.train.determinism import deterministic_mode
-from tests.runtime.test_config import CONF
+from tests.helpers import compose_cfg
 
 COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1",
           "model.num_layers=2", "train.eval_every=2", "train.eval_batches=2", "train.save_final=false",
@@ -20,8 +19,7 @@ COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1
 
 
 def compose_run(extra: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[*COMMON, *extra])
+    return compose_cfg([*COMMON, *extra])
 
 
 def train_twice(tmp_path, monkeypatch, extra: list[str]):

@@ -14,17 +14,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from ling.ranks import free_port
 from ling.train.engine import deepspeed_config
-from tests.fp8.test_fp8_adam_deepspeed import free_port
+from tests.helpers import ROOT
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "runtime" / "grad_accum_worker.py"
 
 
