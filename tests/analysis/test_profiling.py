@@ -50,6 +50,7 @@ def zero2_state_bytes(params: list, optim: str, min_fp8_numel: int = 4096, block
     return total
 
 
+@pytest.mark.slow
 def test_profiled_step_writes_the_grouped_table_and_leaves_the_run_unchanged(tmp_path):
     plain, params = run(tmp_path, "plain", ["train.steps=3"])
     profiled, _ = run(tmp_path, "profiled", ["train.steps=3", "train.profile_step=2"])
@@ -130,6 +131,7 @@ def test_both_profilers_on_one_step_are_refused(tmp_path):
         train(cfg, run_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_python_profile_of_a_step_groups_host_time_by_package(tmp_path):
     """train.profile_python_step=2 (beside the torch profile of step 3): step 2's host time by package, whose
     shares partition the profiled self time, with the project's model/ and fp8/ code and torch's C ops in it."""

@@ -27,6 +27,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_bench_grad_path_runs_on_cpu():
     proc = bench("--model", "tiny", "--device", "cpu", "--steps", "1", "--grad-accum", "2",
                  "--variants", ",".join(VARIANTS))

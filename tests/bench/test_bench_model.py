@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import load_bench
 
 
+@pytest.mark.slow
 def test_bench_model_runs_on_cpu_and_prints_the_model_table_last(capsys):
     bench = load_bench("bench_model")
     bench.main(["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1",

@@ -128,6 +128,7 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     assert bench.summarize_run(tmp_path, warmup=1)["tokens_per_s"] == 3.5
 
 
+@pytest.mark.slow
 def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatch, capsys):
     bench = load_bench("bench_train")
     real_run = subprocess.run

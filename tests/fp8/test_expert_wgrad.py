@@ -225,6 +225,7 @@ def test_config_key_is_validated_and_reaches_the_experts():
         assert same != name.startswith("experts."), name
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_with_the_bf16_expert_wgrad(tmp_path, monkeypatch):
     """The trainer with fp8.expert_wgrad=bf16: the experts run it, the health hook samples them, the losses stay
     finite, and the first step's loss is the recipe's (the forward is the same) while training then departs."""

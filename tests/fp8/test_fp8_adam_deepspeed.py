@@ -20,6 +20,7 @@ from ling.ranks import free_port
 from tests.helpers import ROOT, small_mlp
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow  # torchrun, DeepSpeed on 1 and 2 processes
 
 WORKER = ROOT / "tests" / "fp8" / "dist_adam_worker.py"
 

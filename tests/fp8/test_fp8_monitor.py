@@ -169,6 +169,7 @@ def compose_run(steps: int, extra: list[str]):
         "fp8.monitor.thresholds.grad.underflow=null", "fp8.monitor.thresholds.gradT.underflow=null", *extra])
 
 
+@pytest.mark.slow
 def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatch):
     """One linear is fed underflowing inputs (a forward pre-hook, in every run alike); its alarm at the first
     sampled step switches it to high precision; a run resumed from a later checkpoint keeps it there and

@@ -60,6 +60,7 @@ def check_bit_identical(runs) -> None:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_two_runs_are_bit_identical_and_validate_on_the_same_batches(tmp_path, monkeypatch):
     """FP8 linears and FP8AdamW (its stochastic rounding included); on CPU."""
     runs = train_twice(tmp_path, monkeypatch, ["train.steps=3", "precision=fp8", "optim=fp8_adamw"])

@@ -371,6 +371,7 @@ def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+@pytest.mark.slow
 def test_cli_export_and_train_init_from(tmp_path):
     """train 2 steps → `python -m ling.checkpoint.hf export` → train.init_from with lr 0: the new run's weights are
     exactly the exported ones (so init_from loaded every tensor)."""

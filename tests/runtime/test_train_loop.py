@@ -230,6 +230,7 @@ def test_text_run_validates_summarises_and_logs_the_data_warnings(tmp_path):
     assert "completed at step 4/4" in log and "val loss" in log and "checkpoint " in log
 
 
+@pytest.mark.slow
 def test_bad_override_fails_with_the_key_in_the_message(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "train.py", "+exp=tiny_cpu", "train.stepz=3", f"hydra.run.dir={tmp_path}"],
