@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp8 import gemm as G  # noqa: E402
 from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
+from fp8.health import relative_error  # noqa: E402
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
 from fp8.quant import (  # noqa: E402
     QUANT_TUNING,
@@ -55,11 +56,6 @@ SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-
 
 def bench_ms(fn, rep: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -138,7 +134,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
             for cfg in SWEEP if sweep else [None]:
                 try:
                     out = fn(config=cfg)
-                    err = rel(out, ref)
+                    err = float(relative_error(out, ref))
                     ms = bench_ms(functools.partial(fn, config=cfg))
                     results.append((ms, err, cfg))
                     print(f"  {name:8s} {kind:5s} {cfg} {tflops(flops, ms):7.1f} TFLOPS err {err:.2e}", flush=True)
@@ -150,7 +146,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
             # cuBLAS
             try:
                 cfn = functools.partial(cublas_blockwise, a, a_s, b, b_s, bw, odt)
-                cerr = rel(cfn(), ref)
+                cerr = float(relative_error(cfn(), ref))
                 cms = bench_ms(cfn)
                 cub = f"{tflops(flops, cms):.0f}" + ("" if cerr < 2e-2 else f" (err {cerr:.1e}!)")
             except Exception as e:  # noqa: BLE001
@@ -283,7 +279,7 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
             step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
             try:
                 y = layer(x)
-                err = rel(y, ref_y)
+                err = float(relative_error(y, ref_y))
                 del y
                 ms = bench_ms(step)
                 busy = gpu_busy_ms(step)

@@ -31,8 +31,7 @@ from fp8.quant import dequantize_1x128, fp8_transpose_128x128, quantize_1x128
 from kernels.rows import gather_rows
 from model.dispatch import plan_dispatch
 from model.moe import GroupedExperts, MoE
-from tests.fp8.test_fp8_grouped import data_rows, layout
-from tests.runtime.test_config import compose_cfg
+from tests.helpers import compose_cfg, data_rows, layout, rel
 
 EMPTY = (0, 3)  # experts that get no token
 
@@ -79,11 +78,6 @@ def path_operands(c, pad: int = 16):
                       out_dtype=x.dtype)  # fmt: skip
     dh = swiglu_backward(h_q, h_s, da, row_gate, rows)[0]
     return plan, h_q, h_s, row_gate, dh
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 # Tolerances against float64 of the same operands: fp32 — fp32 accumulation and a's fp32 SwiGLU (1e-5); bf16 — a
@@ -227,6 +221,7 @@ def test_config_key_is_validated_and_reaches_the_experts():
         assert same != name.startswith("experts."), name
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_with_the_bf16_expert_wgrad(tmp_path):
     """The trainer with fp8.expert_wgrad=bf16: the experts run it, the health hook samples them, the losses stay
     finite, and the first step's loss is the recipe's (the forward is the same) while training then departs."""

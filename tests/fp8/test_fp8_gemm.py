@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
-from tests.fp8.test_fp8_quant import DEVICES, setup_device
+from tests.helpers import DEVICES, rel, setup_device
 
 # (M, N, K): aligned; K tail + odd M; tiny; N tail
 SHAPES = [(256, 256, 512), (77, 200, 300), (1, 130, 129), (130, 64, 128)]
@@ -20,11 +20,6 @@ SHAPES = [(256, 256, 512), (77, 200, 300), (1, 130, 129), (130, 64, 128)]
 # for per-block promotion to fp32): measured 1.2-1.3e-4 for ours and for cuBLAS alike -> 5e-4 there.
 TOL = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
 TOL_GPU = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 def operands(m, n, k, device, b_blockwise=True):

@@ -16,16 +16,16 @@ from fp8.grouped import (
     quantize_rows_gathered,
     quantize_tokens_grouped,
     quantize_tokens_grouped_ref,
-    token_columns,
     swiglu_backward,
     swiglu_backward_ref,
     swiglu_quantize,
     swiglu_quantize_ref,
     swiglu_quantize_tokens,
+    token_columns,
 )
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
 from kernels.rows import gather_rows, sum_rows
-from tests.fp8.test_fp8_quant import DEVICES, bits_equal, setup_device
+from tests.helpers import DEVICES, bits_equal, data_rows, layout, rel, setup_device
 
 # segment lengths: empty experts, segments shorter than 16 and than a tile, one longer than two 128-row tiles
 LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
@@ -34,29 +34,6 @@ LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
 # FP8 tensor cores accumulate each 128-deep block with ~14 significant bits: 5e-4 for fp32 outputs.
 TOL = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
 TOL_GPU = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
-
-
-def layout(lengths: list[int], alignment: int, device: str) -> tuple[GroupedRows, list[tuple[int, int]]]:
-    """Segments of the given data lengths, each rounded up to `alignment` with zero rows, plus unused rows."""
-    padded = [-(-n // alignment) * alignment for n in lengths]
-    offsets = torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
-    num_rows = int(offsets[-1]) + 40  # unused rows at the end, as the dispatch allocates them
-    rows = GroupedRows(offsets.to(device), num_rows, alignment,
-                       data_lengths=torch.tensor(lengths, device=device))  # fmt: skip
-    return rows, [(int(offsets[g]), int(offsets[g]) + n) for g, n in enumerate(lengths)]
-
-
-def data_rows(segments, num_rows: int, width: int, device: str, scale: float = 1.0) -> torch.Tensor:
-    """Random rows where a segment has data, zero rows elsewhere (pad rows and unused rows)."""
-    x = torch.zeros(num_rows, width)
-    for lo, hi in segments:
-        x[lo:hi] = torch.randn(hi - lo, width) * scale
-    return x.to(device)
 
 
 def used(t: torch.Tensor, rows: GroupedRows, dim: int = 0) -> torch.Tensor:

@@ -11,14 +11,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from fp8.health import distortion, relative_error, underflow
 from fp8.linear import FP8Linear
 from fp8.monitor import FP8Monitor, MonitorConfig
 from fp8.quant import dequantize_1x128, quantize_1x128, quantize_1x128_ref
-from tests.fp8.test_fp8_linear import run
-from tests.runtime.test_config import CONF
+from tests.helpers import compose_cfg, run
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,16 +160,16 @@ WATCHED = "layers.0.attention.dense"
 
 
 def compose_run(steps: int, extra: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[
-            "+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "precision=fp8",
-            f"train.steps={steps}", "train.seq_len=32", "model.num_layers=2", "train.save_every=2",
-            "train.keep_last=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-            "optim.warmup_steps=1", "fp8.health_every=2", "fp8.monitor.fallback=true",
-            "fp8.monitor.thresholds.act.underflow=0.5", "fp8.monitor.thresholds.weight.underflow=null",
-            "fp8.monitor.thresholds.grad.underflow=null", "fp8.monitor.thresholds.gradT.underflow=null", *extra])
+    return compose_cfg([
+        "+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "precision=fp8",
+        f"train.steps={steps}", "train.seq_len=32", "model.num_layers=2", "train.save_every=2",
+        "train.keep_last=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+        "optim.warmup_steps=1", "fp8.health_every=2", "fp8.monitor.fallback=true",
+        "fp8.monitor.thresholds.act.underflow=0.5", "fp8.monitor.thresholds.weight.underflow=null",
+        "fp8.monitor.thresholds.grad.underflow=null", "fp8.monitor.thresholds.gradT.underflow=null", *extra])
 
 
+@pytest.mark.slow
 def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path):
     """One linear is fed underflowing inputs (a forward pre-hook, in every run alike); its alarm at the first
     sampled step switches it to high precision; a run resumed from a later checkpoint keeps it there and

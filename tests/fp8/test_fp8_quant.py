@@ -4,8 +4,6 @@ cast fixed by the `triton_interpreter` fixture); the `gpu` variants run the comp
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -23,26 +21,9 @@ from fp8.quant import (
     quantize_128x128,
     quantize_128x128_ref,
 )
+from tests.helpers import DEVICES, bits_equal, setup_device
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SHAPES = [(200, 300), (128, 256), (7, 129), (1, 1)]
-
-
-def setup_device(device: str, request) -> None:
-    """CPU: run kernels in the interpreter, which needs its float32->e4m3 cast fixed (triton #8322)."""
-    if device == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-        request.getfixturevalue("triton_interpreter")
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == torch.float8_e4m3fn:  # bit-exact, except that any NaN encoding (0x7F / 0xFF) is NaN
-        a, b = a.cpu(), b.cpu()
-        nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-        bits_a, bits_b = a.view(torch.uint8).masked_fill(nan_a, 0), b.view(torch.uint8).masked_fill(nan_b, 0)
-        return torch.equal(nan_a, nan_b) and torch.equal(bits_a, bits_b)
-    return torch.equal(a.cpu(), b.cpu()) or torch.equal(a.cpu().nan_to_num(), b.cpu().nan_to_num())
 
 
 def rand(m: int, k: int, device: str, dtype=torch.bfloat16) -> torch.Tensor:

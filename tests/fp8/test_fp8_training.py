@@ -10,9 +10,10 @@ from fp8.linear import FP8Linear
 from fp8.quant import quantize_128x128
 from ling.train.engine import build_engine
 from ling.train.trainer import train
-from tests.runtime.test_config import CONF
+from tests.helpers import CONF
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp8_weight_cache_is_refreshed_after_each_deepspeed_step(stage, tmp_path):
     """ZeRO-1/2 copy the updated weights in through `.data` (no autograd version bump): a stale cache would
@@ -79,6 +80,7 @@ def _losses(tmp_path, stage: int, cache: bool, monkeypatch) -> list[tuple[float,
     return [(r["loss"], r["grad_norm"]) for r in recs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_weight_cache_changes_nothing_under_every_zero_stage_with_grad_accumulation(stage, tmp_path, monkeypatch):
     """grad_accum 2, FP8 linears and experts, FP8AdamW: the cached FP8 weights (reused by the second micro-batch,

@@ -161,6 +161,7 @@ def test_rmsnorm_computes_in_fp32_and_casts_before_gain():
     assert torch.equal(norm(x), norm.weight * ref)
 
 
+@pytest.mark.slow
 def test_overfits_a_fixed_small_batch():
     # near-zero losses give denormal gradients, which are ~50x slower on CPU: flush them for this test.
     # One thread: with two, the MoE dispatch's backward (an index_put with accumulate over repeated token ids)

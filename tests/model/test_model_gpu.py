@@ -9,6 +9,7 @@ import torch
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 from model.moe import GroupedExperts
+from tests.helpers import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -42,9 +43,6 @@ def test_grouped_mm_experts_match_segment_loop_forward_and_backward():
 
     # bf16 operands and outputs vs fp32: elementwise errors are bf16 roundings (2^-8 relative) of values that
     # can be large sums over 200 tokens, so compare relative to the tensor norm (~0.3% measured scale)
-    def rel(a, b):
-        return float((a.float() - b).norm() / b.norm())
-
     assert rel(grouped, ref) < 1e-2
     for g, r in zip(g_grads, r_grads):
         assert rel(g, r) < 1e-2

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -15,14 +13,9 @@ from ling.config import model_config_from
 from ling.train.engine import build_optimizer
 from ling.train.launch import strip_local_rank_arg
 from model.config import PRESETS, ModelConfig
+from tests.helpers import CONF, compose_cfg
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml"))
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)

@@ -9,10 +9,9 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from ling.train.determinism import deterministic_mode
-from tests.runtime.test_config import CONF
+from tests.helpers import compose_cfg
 
 EVAL_BATCHES = 2
 COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1",
@@ -21,8 +20,7 @@ COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1
 
 
 def compose_run(extra: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[*COMMON, *extra])
+    return compose_cfg([*COMMON, *extra])
 
 
 def train_twice(tmp_path, extra: list[str]):
@@ -62,6 +60,7 @@ def check_bit_identical(runs) -> None:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_two_runs_are_bit_identical_and_validate_on_the_same_batches(tmp_path):
     """FP8 linears and FP8AdamW (its stochastic rounding included); on CPU."""
     runs = train_twice(tmp_path, ["train.steps=3", "precision=fp8", "optim=fp8_adamw"])

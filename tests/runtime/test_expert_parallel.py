@@ -27,11 +27,11 @@ from ling.checkpoint.reshard import SavedZeroState
 from ling.checkpoint.store import read_expert_shards, verify
 from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
 from ling.config import model_config_from
+from ling.ranks import free_port
 from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
-from tests.runtime.test_train_loop import COMMON, free_port, metrics_of
+from tests.helpers import COMMON, ROOT, metrics_of
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "runtime" / "ep_worker.py"
 STEPS = 6
 RUN = [*COMMON, f"train.steps={STEPS}", "train.micro_batch_size=2", "train.save_every=3", "train.keep_last=0"]
