@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -38,9 +39,9 @@ from fp8.adam import (  # noqa: E402
     quantize_blockwise_reference,
 )
 from fp8.quant import e4m3_code_distance  # noqa: E402
+from kernels.interpreter import fixed_fp8_cast  # noqa: E402
 
 H = 2048  # Ling-mini-2.0 hidden size
-_CAST_FIX = None
 DEV = "cuda"  # --device cpu: a dry run of this script (kernel in the Triton interpreter, tiny sizes)
 
 
@@ -274,12 +275,13 @@ def main() -> None:
     DEV = args.device
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)"
     print(f"device {name}, torch {torch.__version__}", flush=True)
-    if DEV == "cpu":  # the interpreter's e4m3 cast needs the fix of tests/triton_cpu.py
-        from tests.triton_cpu import fixed_fp8_cast
+    # on CPU the kernel runs in Triton's interpreter, whose e4m3 cast needs kernels/interpreter.py's fix
+    with fixed_fp8_cast() if DEV == "cpu" else contextlib.nullcontext():
+        run(args)
 
-        global _CAST_FIX
-        _CAST_FIX = fixed_fp8_cast()  # keep a reference: a collected context manager undoes the patch
-        _CAST_FIX.__enter__()
+
+def run(args: argparse.Namespace) -> None:
+    """The checks, the launch sweep and the tables of `main`."""
     results: dict = {}
     t_start = time.perf_counter()
 

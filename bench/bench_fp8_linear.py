@@ -15,6 +15,7 @@ Not imported by the library.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -27,9 +28,11 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp8 import gemm as G  # noqa: E402
-from fp8.gemm import GemmConfig, fp8_gemm, fp8_gemm_wgrad, set_gemm_config  # noqa: E402
+from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
+from fp8.health import relative_error  # noqa: E402
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
 from fp8.quant import (  # noqa: E402
+    QUANT_TUNING,
     dequantize_1x128,
     dequantize_128x128,
     fp8_transpose_128x128,
@@ -42,22 +45,17 @@ from fp8.quant import (  # noqa: E402
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120)}
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # default fprop/dgrad
-    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),  # default wgrad
     GemmConfig(128, 128, 16, 8, 4, tma=True, persistent=True, warp_specialize=True),
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),
-    GemmConfig(128, 128, 8, 8, 5),  # default wgrad
+    GemmConfig(128, 128, 8, 8, 5),
     GemmConfig(128, 128, 8, 8, 4),
 ]
 
 
 def bench_ms(fn, rep: int = 200) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -116,8 +114,10 @@ def gemm_operands(kind: str, m: int, n: int, k: int):
     return a, a_s, b, b_s, False, torch.float32, dy.t().contiguous(), x.t().contiguous()
 
 
-def run_gemms(m: int, sweep: bool, log: dict) -> list[list[str]]:
+def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str, GemmConfig]]:
+    """The GEMM table's rows, and (with `sweep`) the config per kind with the best total time over all shapes."""
     rows = []
+    chosen: dict[str, GemmConfig] = {}
     best_cfg: dict[str, dict] = {"fprop": {}, "wgrad": {}}
     for name, (n, k) in SHAPES.items():
         for kind in ("fprop", "dgrad", "wgrad"):
@@ -132,23 +132,21 @@ def run_gemms(m: int, sweep: bool, log: dict) -> list[list[str]]:
             fn = functools.partial(fp8_gemm if bw else fp8_gemm_wgrad, a, a_s, b, b_s, out_dtype=odt)
             results = []
             for cfg in SWEEP if sweep else [None]:
-                set_gemm_config(gk, cfg)
                 try:
-                    out = fn()
-                    err = rel(out, ref)
-                    ms = bench_ms(fn)
+                    out = fn(config=cfg)
+                    err = float(relative_error(out, ref))
+                    ms = bench_ms(functools.partial(fn, config=cfg))
                     results.append((ms, err, cfg))
                     print(f"  {name:8s} {kind:5s} {cfg} {tflops(flops, ms):7.1f} TFLOPS err {err:.2e}", flush=True)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {name:8s} {kind:5s} {cfg} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            set_gemm_config(gk, None)
             ok = [r for r in results if r[1] < 2e-2]
             best = min(ok, key=lambda r: r[0]) if ok else (float("nan"), float("nan"), None)
             best_cfg[gk][f"{name}.{kind}"] = str(best[2])
             # cuBLAS
             try:
                 cfn = functools.partial(cublas_blockwise, a, a_s, b, b_s, bw, odt)
-                cerr = rel(cfn(), ref)
+                cerr = float(relative_error(cfn(), ref))
                 cms = bench_ms(cfn)
                 cub = f"{tflops(flops, cms):.0f}" + ("" if cerr < 2e-2 else f" (err {cerr:.1e}!)")
             except Exception as e:  # noqa: BLE001
@@ -194,11 +192,10 @@ def run_gemms(m: int, sweep: bool, log: dict) -> list[list[str]]:
                             tot[c] = tot.get(c, 0.0) + ms
             if tot:
                 best = min(tot, key=tot.get)
-                cfg = next(c for c in SWEEP if str(c) == best)
-                set_gemm_config(gk, cfg)
+                chosen[gk] = next(c for c in SWEEP if str(c) == best)
                 log.setdefault("chosen", {})[gk] = best
                 print(f"chosen {gk}: {best} total {tot[best]:.3f} ms", flush=True)
-    return rows
+    return rows, chosen
 
 
 # ------------------------------------------------------------------------------------------------ layers
@@ -282,7 +279,7 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
             step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
             try:
                 y = layer(x)
-                err = rel(y, ref_y)
+                err = float(relative_error(y, ref_y))
                 del y
                 ms = bench_ms(step)
                 busy = gpu_busy_ms(step)
@@ -320,9 +317,8 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
     return rows
 
 
-def run_quant(m: int, log: dict, sweep: bool) -> list[list[str]]:
-    from fp8 import quant as Q
-
+def run_quant(m: int, log: dict, sweep: bool) -> tuple[list[list[str]], dict]:
+    """The quantizer table's rows, and the QuantConfig fields of the best total time (with `sweep`)."""
     rows = []
     x = torch.randn(m, 5120, device="cuda", dtype=torch.bfloat16)
     xq, xs = quantize_1x128(x)
@@ -343,24 +339,23 @@ def run_quant(m: int, log: dict, sweep: bool) -> list[list[str]]:
         {"col_block_f": 64, "col_warps": 4},
         {"col_block_f": 64, "col_warps": 8},
     )
-    for opts in sweeps if sweep else (dict(Q.QUANT_OPTIONS),):
-        Q.QUANT_OPTIONS.update(opts)
+    for opts in sweeps if sweep else (dataclasses.asdict(QUANT_TUNING.current()),):
         tot = 0.0
-        for name, fn, nbytes in cases:
-            try:
-                ms = bench_ms(fn, rep=100)
-            except Exception as e:  # noqa: BLE001
-                print(f"  quant {name} {opts} FAILED {e}", flush=True)
-                ms = float("inf")
-            tot += ms
-            rows.append([name, str(opts), f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}"])
+        with QUANT_TUNING.override(**opts):
+            for name, fn, nbytes in cases:
+                try:
+                    ms = bench_ms(fn, rep=100)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  quant {name} {opts} FAILED {e}", flush=True)
+                    ms = float("inf")
+                tot += ms
+                rows.append([name, str(opts), f"{ms * 1e3:.0f}", f"{nbytes / ms / 1e6:.0f}"])
         if best is None or tot < best[0]:
             best = (tot, dict(opts))
-    Q.QUANT_OPTIONS.update(best[1])
     log["quant_options"] = best[1]
     print(f"chosen quant options: {best[1]}", flush=True)
     print(table(["kernel", "options", "us", "GB/s"], rows), flush=True)
-    return rows
+    return rows, best[1]
 
 
 def layer_step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor):
@@ -371,7 +366,7 @@ def layer_step(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor):
         x.grad = None
         layer.weight.grad = None
         if isinstance(layer, FP8Linear):
-            invalidate_fp8_weight_caches()
+            invalidate_fp8_weight_caches(layer)
         layer(x).backward(g)
 
     return step
@@ -484,15 +479,18 @@ def main() -> None:
         print(table(["shape", "layer", "TFLOPS", "x bf16", "TFLOPS of GPU busy time", "fwd rel err", "saved MiB",
                      "saved / bf16"], layer_rows))  # fmt: skip
         return
-    gemm_rows = run_gemms(args.tokens, args.sweep, log)
+    gemm_rows, chosen = run_gemms(args.tokens, args.sweep, log)
     print(table(GEMM_HEADER, gemm_rows), flush=True)
-    quant_rows = run_quant(args.tokens, log, args.sweep)
-    try:
-        print("\n## Profile: FP8Linear gate_up (N=10240, K=2048) fwd+bwd x10", flush=True)
-        print(profile_layer(args.tokens, 10240, 2048, args.out), flush=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"profile failed: {e}", flush=True)
-    layer_rows = [] if args.skip_layers else run_layers(args.tokens, log)
+    # the sweep's choices (none without --sweep: the defaults) drive the profile and the layer table
+    with GEMM_TUNING.override(**chosen):
+        quant_rows, quant_options = run_quant(args.tokens, log, args.sweep)
+        with QUANT_TUNING.override(**quant_options):
+            try:
+                print("\n## Profile: FP8Linear gate_up (N=10240, K=2048) fwd+bwd x10", flush=True)
+                print(profile_layer(args.tokens, 10240, 2048, args.out), flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"profile failed: {e}", flush=True)
+            layer_rows = [] if args.skip_layers else run_layers(args.tokens, log)
     with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
         json.dump(log, f, indent=1, default=str)
     print("\nbest configs:", json.dumps(log.get("best_cfg", {}), indent=1))

@@ -2,8 +2,8 @@
 
     PYTHONUNBUFFERED=1 python3 bench/bench_model.py [--models ling_mini_2_0_e64,ling_mini_2_0_l6]
         [--seq-len 4096] [--micro 1] [--steps 6] [--warmup 2] [--precision bf16|fp8] [--doc-len 1024]
-        [--variants fast,old_loss,dense_mask,selective,full,today,causal,eager] [--no-profile] [--no-parts]
-        [--loss-chunks 1024,2048,4096]
+        [--variants fast,old_loss,dense_mask,selective,full,old_loss_dense_mask,causal,eager] [--no-profile]
+        [--no-parts] [--loss-chunks 1024,2048,4096]
     python3 bench/bench_model.py --device cpu --models tiny --seq-len 128   # smoke test
 
 Every variant is a fresh model (same seed) on random tokens packed into documents of geometric length
@@ -15,7 +15,7 @@ Variants (one change each from `fast`):
   old_loss    materialised logits + fp32 cross-entropy (`return_logits=True`)
   dense_mask  SDPA with the dense [B, 1, T, T] document mask (repeated K/V)
   selective   model.recompute=selective;  full: model.recompute=full
-  today       old_loss + dense_mask (the model before this change)
+  old_loss_dense_mask  old_loss + dense_mask (the model before the fused loss and flex attention)
   causal      no doc_ids at all (plain causal flash attention): the attention floor
   eager       model.compile_ops=off: the norms, QK-norm + RoPE, router, dispatch plan and SwiGLU run as eager
               ops instead of torch.compile'd functions (compiled on the first warm-up step)
@@ -52,7 +52,7 @@ VARIANTS = {
     "dense_mask": ({"document_attention": "dense"}, {}, True),
     "selective": ({"recompute": "selective"}, {}, True),
     "full": ({"recompute": "full"}, {}, True),
-    "today": ({"document_attention": "dense"}, {"return_logits": True}, True),
+    "old_loss_dense_mask": ({"document_attention": "dense"}, {"return_logits": True}, True),
     "causal": ({}, {}, False),
     "eager": ({"compile_ops": "off"}, {}, True),
 }

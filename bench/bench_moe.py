@@ -329,34 +329,29 @@ def sweep(tokens: int, experts: int) -> list[dict]:
     for (bm, bn, warps, stages, ppsm), (tma, ws_) in itertools.product(fwd_tiles, [(True, False), (True, True),
                                                                                    (False, False)]):  # fmt: skip
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, ws_, ppsm)
-        G.set_grouped_config("fprop", cfg)
-        for n, k, xq, xs, wq, ws in fprop_cases:
-            timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
-    G.set_grouped_config("fprop", None)
+        with G.GROUPED_TUNING.override(fprop=cfg):
+            for n, k, xq, xs, wq, ws in fprop_cases:
+                timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
     wgrad_cases = []
     for n, k in ((2 * INTER, H), (H, INTER)):
         wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),
                             G.quantize_tokens_grouped(rand(rows.num_rows, k), rows)))  # fmt: skip
-    wgrad_tiles = [(128, 128, 8, 3, 1), (64, 128, 4, 3, 2), (64, 128, 4, 3, 3), (64, 128, 4, 3, 1000),
-                   (128, 64, 4, 3, 2), (64, 64, 4, 4, 4), (128, 128, 8, 3, 1000), (64, 128, 4, 4, 2),
-                   (64, 256, 8, 3, 2), (64, 256, 4, 3, 2)]
-    for bm, bn, warps, stages, ppsm in wgrad_tiles:
-        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, False, False, ppsm)
-        G.set_grouped_config("wgrad", cfg)
-        for n, k, dyt, xt in wgrad_cases:
-            timed(f"wgrad N={n} K={k}", str(cfg),
-                  lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
-    G.set_grouped_config("wgrad", None)
+    wgrad_tiles = [(128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (128, 128, 8, 3, 2), (128, 128, 4, 3, 1),
+                   (64, 128, 4, 3, 2), (64, 128, 4, 4, 3), (64, 256, 8, 3, 2)]  # the k-grouped kernel's
+    for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False)):
+        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
+        with G.GROUPED_TUNING.override(wgrad=cfg, wgrad_short=cfg):
+            for n, k, dyt, xt in wgrad_cases:
+                timed(f"wgrad N={n} K={k}", str(cfg),
+                      lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
     h = rand(rows.num_rows, 2 * INTER)
     row_gate = torch.rand(rows.num_rows, device="cuda")
     a_q, a_s, h_q, h_s = G.swiglu_quantize(h, row_gate, rows)
     da = rand(rows.num_rows, INTER)
-    default = dict(G.GROUPED_OPTIONS)
     for bm in (8, 16, 32, 64):
-        G.GROUPED_OPTIONS.update(swiglu_block_m=bm, swiglu_bwd_block_m=bm)
-        timed("swiglu fwd", f"block_m={bm}", lambda: G.swiglu_quantize(h, row_gate, rows), None)
-        timed("swiglu bwd", f"block_m={bm}", lambda: G.swiglu_backward(h_q, h_s, da, row_gate, rows), None)
-    G.GROUPED_OPTIONS.update(default)
+        with G.GROUPED_TUNING.override(swiglu_block_m=bm, swiglu_bwd_block_m=bm):
+            timed("swiglu fwd", f"block_m={bm}", lambda: G.swiglu_quantize(h, row_gate, rows), None)
+            timed("swiglu bwd", f"block_m={bm}", lambda: G.swiglu_backward(h_q, h_s, da, row_gate, rows), None)
     x = rand(tokens, H)
     timed("tokens quant (gathered x)", "default", lambda: G.quantize_tokens_grouped(x, rows, plan.row_src), None)
     timed("rows quant (gathered x)", "default", lambda: G.quantize_rows_gathered(x, plan.row_src, rows), None)

@@ -15,6 +15,7 @@ half-written cache never carries the final name; `open_packed` still checks size
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -36,7 +37,11 @@ from data.tokenizer import Tokenizer
 PACK_FORMAT = 1
 log = logging.getLogger(__name__)
 
-_TOK_CACHE: dict[str, Tokenizer] = {}
+# One Tokenizer per model file in each `datasets.map` worker process, loaded on its first batch and reused for the
+# rest (loading it per batch would cost more than encoding). A build uses one tokenizer; a few entries suffice.
+@functools.lru_cache(maxsize=4)
+def _worker_tokenizer(model_path: str) -> Tokenizer:
+    return Tokenizer(model_path)
 
 
 def _encode_batch(batch: dict[str, list], model_path: str, eos_id: int, bos_id: int,
@@ -44,11 +49,8 @@ def _encode_batch(batch: dict[str, list], model_path: str, eos_id: int, bos_id: 
     """datasets.map worker: a batch of texts -> ONE row holding their ids back to back, each document
     followed by EOS (and preceded by BOS if asked), as int32. One row per batch keeps Arrow's per-row cost
     off the hot path; `n_docs` counts the documents in it."""
-    tok = _TOK_CACHE.get(model_path)
-    if tok is None:
-        tok = _TOK_CACHE[model_path] = Tokenizer(model_path)
     out = []
-    for ids in tok.encode(batch["text"]):
+    for ids in _worker_tokenizer(model_path).encode(batch["text"]):
         arr = np.empty(len(ids) + 1 + add_bos, dtype=np.int32)
         if add_bos:
             arr[0] = bos_id

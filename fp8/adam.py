@@ -62,15 +62,15 @@ import numpy as np
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from fp8._triton_utils import E4M3_MAX, HAS_TRITON, cdiv
-
-if HAS_TRITON:  # Triton is optional on CPU-only installs; the torch reference path needs none of it.
-    import triton
-    import triton.language as tl
+from fp8.format import E4M3_MAX
+from kernels.backend import HAS_TRITON, cdiv, tl, triton
 
 E4M3_MIN_SUBNORMAL = 2.0**-9  # smallest positive E4M3 value; floor for a non-zero sqrt(v)
 E4M3_MIN_NORMAL = 2.0**-6
-AMAX_FLOOR = 1e-30  # amax is clamped to this so that an all-zero block gets a finite, positive scale
+# A moment block's amax is clamped to at least this, so that an all-zero block gets a finite, positive scale. Far
+# below the GEMM operands' floor (fp8.format.OPERAND_AMAX_FLOOR, 4.48e-10): |m| and sqrt(v) scale with the
+# gradients and may lie far below that, and a larger floor would raise such a block's scale and flush it to zero.
+MOMENT_AMAX_FLOOR = 1e-30
 NOISE_BITS = 20  # fp32 mantissa bits below E4M3's 3: the stochastic-rounding noise width
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -196,7 +196,7 @@ def quantize_blockwise_reference(
     """Blockwise E4M3 quantization of a flat fp32 tensor.
 
     x: fp32 [n] → (q uint8 [n] holding E4M3 bits, scale fp32 [ceil(n / block_size)]), with
-    scale = max(amax, AMAX_FLOOR) / 448 and x ≈ e4m3(q) · scale[block]. Rounded to nearest, or stochastically
+    scale = max(amax, MOMENT_AMAX_FLOOR) / 448 and x ≈ e4m3(q) · scale[block]. Rounded to nearest, or stochastically
     with the noise of `key` (`rounding_noise` of the element index). With `floor_nonzero`, entries with x > 0
     that would round to 0 are stored as the smallest positive subnormal instead (for x ≥ 0).
     """
@@ -211,7 +211,7 @@ def _quantize_blocks(x: torch.Tensor, block_size: int, floor_nonzero: bool,
     n = x.numel()
     xb = _blocks(x.float().reshape(-1), block_size)
     amax = xb.abs().amax(dim=1)
-    amax = torch.clamp(amax, min=AMAX_FLOOR)
+    amax = torch.clamp(amax, min=MOMENT_AMAX_FLOOR)
     scale = amax / E4M3_MAX
     y = (xb * (E4M3_MAX / amax)[:, None]).clamp(-E4M3_MAX, E4M3_MAX)  # one division per block, as the kernel
     if noise is not None:
@@ -559,7 +559,7 @@ def fp8_adamw_update_triton(
         s.key or 0,
         BS=block_size, NB=cfg.blocks_per_program, ITERS=cfg.iters_per_program,
         ALIGNED=plan.aligned and plan.galigned, STOCH=s.key is not None, M_FP32=m_fp32, R_FP32=r_fp32,
-        AMAX_MIN=AMAX_FLOOR, QMAX=E4M3_MAX, QMIN_SUB=E4M3_MIN_SUBNORMAL,
+        AMAX_MIN=MOMENT_AMAX_FLOOR, QMAX=E4M3_MAX, QMIN_SUB=E4M3_MIN_SUBNORMAL,
         num_warps=cfg.num_warps,
     )  # fmt: skip
 

@@ -9,23 +9,38 @@ Maths of the kernel, per output tile: acc = Σ_kb dot_fp32(a[:, kb], b[:, kb]) �
 each 128-wide K block is multiplied on the tensor cores into a fresh fp32 accumulator and then promoted
 into the running fp32 sum with both scales applied in fp32 (DeepSeek-V3's per-block promotion); the output is
 cast once at the end. Tails in M, N and K are masked (K tails load zeros, which add nothing).
+
+Tiles: `default_gemm_config(m, kind)` picks a `GemmConfig` per GEMM kind ("fprop": forward and dgrad; "wgrad");
+`config=` on a call, or `GEMM_TUNING.override(fprop=..., wgrad=...)` around a block of calls (e.g. through
+`FP8Linear`), forces one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, cdiv, use_triton
+from fp8.format import BLOCK, E4M3
 from fp8.quant import dequantize_1x128, dequantize_128x128
+from kernels.backend import HAS_TRITON, cdiv, interpreting, num_sms, tl, tma_compatible, triton, use_triton
+from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["GemmConfig", "fp8_gemm", "fp8_gemm_ref", "fp8_gemm_wgrad", "fp8_gemm_wgrad_ref", "set_gemm_config"]
+    from fp8.triton_blocks import b_scale_ptrs, promote
+
+__all__ = [
+    "GEMM_TUNING",
+    "GemmChoice",
+    "GemmConfig",
+    "default_gemm_config",
+    "fp8_gemm",
+    "fp8_gemm_ref",
+    "fp8_gemm_wgrad",
+    "fp8_gemm_wgrad_ref",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,31 +57,43 @@ class GemmConfig:
     warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
 
 
-# Per-kind override (used by the benchmark's sweep); None -> `_default_config`.
-_OVERRIDE: dict[str, GemmConfig | None] = {"fprop": None, "wgrad": None}
+# The defaults. On the H200 every GEMM of the Ling-mini shapes is fastest with TMA + persistent grid + warp
+# specialization; wgrad with 3 stages, since its fp32 epilogue tile takes the shared memory of a fourth
+# (bench/bench_fp8_linear.py --sweep; figures: docs/kernel_tuning.md).
+FPROP_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=True,
+                          warp_specialize=True)  # fmt: skip
+WGRAD_CONFIG = dataclasses.replace(FPROP_CONFIG, num_stages=3)
+SMALL_M_ROWS = 64  # GEMMs with at most this many rows use SMALL_M_CONFIG
+SMALL_M_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+INTERPRETER_CONFIG = GemmConfig(block_m=64, block_n=64, group_m=4)  # small tiles keep the CPU interpreter fast
+GEMM_KINDS = ("fprop", "wgrad")
 
 
-def set_gemm_config(kind: str, cfg: GemmConfig | None) -> None:
-    """Force a tile config for `kind` in {"fprop", "wgrad"} ("fprop" covers forward and dgrad); None resets."""
-    if kind not in _OVERRIDE:
-        raise ValueError(f"kind must be one of {sorted(_OVERRIDE)}, got {kind!r}")
-    _OVERRIDE[kind] = cfg
+def default_gemm_config(m: int, kind: str) -> GemmConfig:
+    """The tiles of a GEMM `kind` in GEMM_KINDS ("fprop": forward and dgrad) with m output rows."""
+    if kind not in GEMM_KINDS:
+        raise ValueError(f"kind must be one of {GEMM_KINDS}, got {kind!r}")
+    if interpreting():
+        return INTERPRETER_CONFIG
+    if m <= SMALL_M_ROWS:
+        return SMALL_M_CONFIG
+    return WGRAD_CONFIG if kind == "wgrad" else FPROP_CONFIG
 
 
-def _default_config(m: int, n: int, k: int, kind: str) -> GemmConfig:
-    cfg = _OVERRIDE[kind]
-    if cfg is not None:
-        return cfg
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return GemmConfig(block_m=64, block_n=64, group_m=4)  # small tiles keep the CPU interpreter fast
-    if m <= 64:
-        return GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
-    # H200 sweep (bench/bench_fp8_linear.py --sweep, Ling-mini shapes at 16384 tokens): every GEMM is fastest
-    # with TMA + persistent grid + warp specialization: forward/dgrad 800-860 TFLOPS with 4 stages, wgrad
-    # 635-660 with 3 (its fp32 epilogue tile takes the shared memory of a fourth; pointer loads: 555-581).
-    stages = 3 if kind == "wgrad" else 4
-    return GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=stages, tma=True, persistent=True,
-                      warp_specialize=True)  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class GemmChoice:
+    """A config forced on every GEMM of a kind, whatever its shape; None: `default_gemm_config`."""
+
+    fprop: GemmConfig | None = None  # forward and dgrad
+    wgrad: GemmConfig | None = None
+
+
+GEMM_TUNING: Tuning[GemmChoice] = Tuning("fp8.gemm", GemmChoice())
+
+
+def _config(m: int, kind: str, config: GemmConfig | None) -> GemmConfig:
+    """The call's `config`, else the kind's forced config of GEMM_TUNING, else the default for the shape."""
+    return config or getattr(GEMM_TUNING.current(), kind) or default_gemm_config(m, kind)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,28 +131,6 @@ if HAS_TRITON:
         return pid_m, pid_n
 
     @triton.jit
-    def _b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Pointers to B's scales of K block 0: one scalar per tile (128x128 blocks, BLOCK_N == 128), one per
-        128 columns (128x128 blocks, wider tiles) or one per column (1x128 rows)."""
-        if B_BLOCKWISE and BLOCK_N == 128:
-            return bs_ptr + pid_n * stride_bsn
-        elif B_BLOCKWISE:
-            return bs_ptr + (offs_bn // 128) * stride_bsn
-        else:
-            return bs_ptr + offs_bn * stride_bsn
-
-    @triton.jit
-    def _promote(acc, part, sa, sb, SB_SCALAR: tl.constexpr):
-        """acc += part · sa · sb in fp32: the product of one 128-wide K block, computed into a fresh accumulator
-        on the tensor cores, scaled by its row scales sa [BLOCK_M] and B scales sb (scalar or [BLOCK_N]).
-        With a scalar sb, sa·sb is folded first (one FMA per element); otherwise two multiplies per element
-        but no [BLOCK_M, BLOCK_N] outer product of the scales held in registers."""
-        if SB_SCALAR:
-            return acc + part * (sa * sb)[:, None]
-        else:
-            return acc + (part * sa[:, None]) * sb[None, :]
-
-    @triton.jit
     def _fp8_gemm_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
         M, N, K,
@@ -147,7 +152,7 @@ if HAS_TRITON:
         a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
         b_ptrs = b_ptr + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
         as_ptrs = as_ptr + offs_am * stride_asm
-        bs_ptrs = _b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
+        bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
@@ -159,7 +164,7 @@ if HAS_TRITON:
                 b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
             sa = tl.load(as_ptrs + kb * stride_ask)
             sb = tl.load(bs_ptrs + kb * stride_bsk)
-            acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
+            acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
@@ -187,14 +192,14 @@ if HAS_TRITON:
             offs_am = (off_m + tl.arange(0, BLOCK_M)) % M
             offs_bn = (off_n + tl.arange(0, BLOCK_N)) % N
             as_ptrs = as_ptr + offs_am * stride_asm
-            bs_ptrs = _b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
+            bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in tl.range(0, num_kb, warp_specialize=WS):
                 a = a_desc.load([off_m, kb * BLOCK_K])
                 b = b_desc.load([off_n, kb * BLOCK_K])
                 sa = tl.load(as_ptrs + kb * stride_ask)
                 sb = tl.load(bs_ptrs + kb * stride_bsk)
-                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
+                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -220,42 +225,19 @@ def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int
     return m, n, k
 
 
-def _tma_ok(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> bool:
-    """TMA needs unit inner strides, 16-byte aligned row strides and base addresses."""
-    for t in (a, b, c):
-        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
-    return True
-
-
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, kind: str) -> torch.Tensor:
+def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfig) -> torch.Tensor:
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0 or n == 0:
         return c
     if k == 0:
         return c.zero_()
-    cfg = _default_config(m, n, k, kind)
-    if cfg.tma and _tma_ok(a, b, c):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
+    if cfg.tma and tma_compatible(a, b, c):
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
         c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n])
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-        progs = min(tiles, _num_sms(a.device)) if cfg.persistent else tiles
+        progs = min(tiles, num_sms(a.device)) if cfg.persistent else tiles
         _fp8_gemm_tma_kernel[(progs,)](
             a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
@@ -283,13 +265,15 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     backend: str | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """a·bᵀ [M, N] in out_dtype: a [M, K] E4M3 with 1x128 scales [M, ceil(K/128)] (any strides),
-    b [N, K] E4M3 with 128x128 scales [ceil(N/128), ceil(K/128)]; fp32 accumulation, scales per K block."""
+    b [N, K] E4M3 with 128x128 scales [ceil(N/128), ceil(K/128)]; fp32 accumulation, scales per K block.
+    `config`: the Triton kernel's tiles (default: see the module doc)."""
     _check_operands(a, a_scale, b, b_scale, b_blockwise=True)
     if not use_triton(a, backend):
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
-    return _launch(a, a_scale, b, b_scale, out_dtype, True, "fprop")
+    return _launch(a, a_scale, b, b_scale, out_dtype, True, _config(a.shape[0], "fprop", config))
 
 
 def fp8_gemm_wgrad(
@@ -300,10 +284,12 @@ def fp8_gemm_wgrad(
     out_dtype: torch.dtype = torch.float32,
     *,
     backend: str | None = None,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """a·bᵀ [M, N] with both operands 1x128-scaled along the reduction dim: a [M, K] scale [M, KB],
-    b [N, K] scale [N, KB] (wgrad: a = dyᵀ [N_out, tokens], b = xᵀ [K_in, tokens]); fp32 output."""
+    b [N, K] scale [N, KB] (wgrad: a = dyᵀ [N_out, tokens], b = xᵀ [K_in, tokens]); fp32 output.
+    `config`: the Triton kernel's tiles (default: see the module doc)."""
     _check_operands(a, a_scale, b, b_scale, b_blockwise=False)
     if not use_triton(a, backend):
         return fp8_gemm_wgrad_ref(a, a_scale, b, b_scale, out_dtype)
-    return _launch(a, a_scale, b, b_scale, out_dtype, False, "wgrad")
+    return _launch(a, a_scale, b, b_scale, out_dtype, False, _config(a.shape[0], "wgrad", config))

@@ -1,5 +1,6 @@
-"""Grouped blockwise FP8 GEMMs for MoE experts (Triton) with their PyTorch references, the row gather / sum
-ops of dispatch and combine, and the FP8 grouped-experts autograd function.
+"""Grouped blockwise FP8 GEMMs for MoE experts (Triton) with their PyTorch references, the quantizers and SwiGLU
+kernels around them, and the FP8 grouped-experts autograd function (the row gather and ordered sum of dispatch
+and combine it uses are kernels/rows.py's).
 
 Layout (`GroupedRows`): the M rows of an activation are sorted into contiguous per-expert segments; segment g
 is rows offsets[g] : offsets[g + 1] (any length, 0 included). Rows from offsets[G] to M are unused (the
@@ -11,11 +12,13 @@ Recipe (the same as `fp8/gemm.py`): E4M3, fp32 scales per block, fp32 accumulati
 per 128-wide K block.
 - forward / dgrad, `grouped_gemm`: out[seg g] = a[seg g] · b[g]ᵀ with a 1x128-scaled along K ([M, KB]) and the
   expert weights b [G, N, K] 128x128-scaled ([G, NB, KB]); dgrad uses the on-demand transpose of b.
-- wgrad, `grouped_gemm_wgrad`: out[g] = a[:, seg g] · b[:, seg g]ᵀ for a [N, M], b [K, M] quantized 1x128
-  along the token dim with blocks that restart at every segment start (`quantize_tokens_grouped`): segment g
-  owns token blocks blocks[g] : blocks[g + 1] (`GroupedRows.block_offsets()`), so segments need no
-  128-alignment (routing-map padding rounds them to a small multiple, 16, which lets the kernels use
-  16-byte loads).
+- wgrad, `grouped_gemm_wgrad`: out[g] = Σ over segment g's tokens of a[:, t] · b[:, t]ᵀ, a k-grouped GEMM (the
+  reduction runs over each expert's tokens). Its operands are quantized 1x128 along the token dim with blocks
+  that restart at every segment start (`quantize_tokens_grouped`) and are stored block-aligned: segment g owns
+  token blocks blocks[g] : blocks[g + 1] (`GroupedRows.block_offsets()`), and block b is columns 128·b : 128·b + 128
+  of a [N, 128·max_blocks] operand, its tokens first and zeros after them (a segment's last block is partial).
+  So segments need no 128-alignment in the rows, yet every K block of the wgrad GEMM is one whole aligned
+  128-column box: one TMA descriptor per operand serves every expert and no load needs a mask.
 
 The experts' function `fp8_grouped_experts` fuses the permutation gather into the quantization of the routed
 tokens, the SwiGLU and the gate multiply into the down projection's input quantization (y = W_down·(g·a) is
@@ -28,37 +31,43 @@ weight gradients from high-precision operands instead (`grouped_wgrad_bf16`: tor
 accumulation): dW_down[e] = Σ dy_rᵀ a_r and dW_gate_up[e] = Σ dh_rᵀ x_r over expert e's rows, with a recomputed
 from the FP8 h in the activations' dtype (`swiglu_output`). The forward then saves the tokens x [T, H] in their
 own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-dim quantization runs at all.
+
+Launch configuration: `GroupedConfig` (the GEMM tiles per kind and the SwiGLU kernels' row blocks), its default
+beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...))` forces another inside a block.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from fp8._triton_utils import BLOCK, E4M3, HAS_TRITON, Fusable, cdiv, use_triton
+from fp8.format import BLOCK, E4M3
 from fp8.quant import (
-    QUANT_OPTIONS,
-    _launch_rows,
+    QUANT_TUNING,
     dequantize_1x128,
     dequantize_128x128,
     fp8_transpose_128x128,
     quantize_1x128_ref,
+    quantize_1x128_triton,
     quantize_128x128,
 )
+from kernels.backend import HAS_TRITON, cdiv, num_sms, tl, tma_compatible, triton, use_triton
+from kernels.fusable import Fusable
+from kernels.rows import gather_rows, gather_rows_ref, sum_rows
+from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8.gemm import _b_scale_ptrs, _num_sms, _promote
-    from fp8.quant import _scale_from_amax
+    from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl
 
 __all__ = [
     "GroupedRows",
     "GroupedGemmConfig",
+    "GroupedConfig",
+    "GROUPED_TUNING",
     "grouped_gemm",
     "grouped_gemm_ref",
     "grouped_gemm_wgrad",
@@ -66,17 +75,15 @@ __all__ = [
     "quantize_rows_gathered",
     "quantize_tokens_grouped",
     "quantize_tokens_grouped_ref",
+    "token_columns",
     "swiglu_quantize",
     "swiglu_backward",
-    "gather_rows",
-    "sum_rows",
     "fp8_grouped_experts",
     "quantize_expert_weights",
     "swiglu_quantize_tokens",
     "swiglu_output",
     "grouped_wgrad_bf16",
     "EXPERT_WGRAD",
-    "set_grouped_config",
 ]
 
 
@@ -149,33 +156,29 @@ def _search_steps(groups: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # References (CPU path and tests): loops over segments on the host
 # ----------------------------------------------------------------------------------------------------------
-def _gathered(x: torch.Tensor, row_idx: torch.Tensor | None) -> torch.Tensor:
-    """x[row_idx] with zero rows where row_idx < 0 (or x itself)."""
-    if row_idx is None:
-        return x
-    idx = row_idx.long()
-    if x.shape[0] == 0:  # no source rows (an expert-parallel rank that received none): every row reads zeros
-        return x.new_zeros(idx.numel(), *x.shape[1:])
-    out = x[idx.clamp(min=0)]
-    return out.masked_fill((idx < 0)[:, None], 0)
-
-
 def quantize_tokens_grouped_ref(
     x: torch.Tensor, rows: GroupedRows, row_idx: torch.Tensor | None = None, pow2_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of `quantize_tokens_grouped`: (E4M3 [K, M], fp32 scale [K, max_blocks]) with 1x128 blocks along
-    the token dim restarting at every segment start. Unused columns are zero."""
-    src = _gathered(x, row_idx).float()
+    """Reference of `quantize_tokens_grouped`: (E4M3 [K, 128·max_blocks], fp32 scale [K, max_blocks]) with 1x128
+    blocks along the token dim restarting at every segment start, block-aligned (module docstring). Unused
+    columns are zero."""
+    src = gather_rows_ref(x, row_idx).float()
     k = src.shape[1]
-    qt = torch.zeros(k, rows.num_rows, dtype=E4M3, device=x.device)
+    qt = torch.zeros(k, rows.max_blocks() * BLOCK, dtype=E4M3, device=x.device)
     st = torch.zeros(rows.max_blocks(), k, dtype=torch.float32, device=x.device).t()
     blocks = rows.block_offsets().tolist()
     for g, (lo, hi) in enumerate(rows.host_segments()):
         if hi > lo:  # zero pad rows would not change a block's scale and quantize to zeros
-            q, s = quantize_1x128_ref(src[lo:hi].t())
-            qt[:, lo:hi] = q
+            q, s = quantize_1x128_ref(src[lo:hi].t(), pow2_scales)
+            qt[:, blocks[g] * BLOCK:blocks[g] * BLOCK + hi - lo] = q
             st[:, blocks[g]:blocks[g] + s.shape[1]] = s
     return qt, st
+
+
+def token_columns(rows: GroupedRows, g: int, length: int) -> slice:
+    """The columns of a block-aligned token-dim operand holding the first `length` tokens of segment g (host)."""
+    start = int(rows.block_offsets()[g]) * BLOCK
+    return slice(start, start + length)
 
 
 def grouped_gemm_ref(
@@ -196,15 +199,17 @@ def grouped_gemm_wgrad_ref(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # fmt: skip
-    """out[g] = deq(a[:, seg g]) · deq(b[:, seg g])ᵀ; a [N, M] and b [K, M] with per-segment token blocks."""
+    """out[g] = deq(a[:, seg g]) · deq(b[:, seg g])ᵀ over segment g's data tokens; a [N, 128·max_blocks] and
+    b [K, 128·max_blocks] block-aligned token-dim operands (`quantize_tokens_grouped`)."""
     n, k = a.shape[0], b.shape[0]
     out = torch.zeros(rows.num_groups, n, k, dtype=out_dtype, device=a.device)
     blocks = rows.block_offsets().tolist()
     for g, (lo, hi) in enumerate(rows.host_segments()):
         if hi > lo:
             nb = cdiv(hi - lo, BLOCK)
+            cols = slice(blocks[g] * BLOCK, blocks[g] * BLOCK + hi - lo)
             sa, sb = a_scale[:, blocks[g]:blocks[g] + nb], b_scale[:, blocks[g]:blocks[g] + nb]
-            out[g] = (dequantize_1x128(a[:, lo:hi], sa) @ dequantize_1x128(b[:, lo:hi], sb).t()).to(out_dtype)
+            out[g] = (dequantize_1x128(a[:, cols], sa) @ dequantize_1x128(b[:, cols], sb).t()).to(out_dtype)
     return out
 
 
@@ -304,7 +309,7 @@ if HAS_TRITON:
             offs_am = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the segment are computed, never stored
             offs_bn = offs_n % N
             as_ptrs = as_ptr + offs_am * stride_asm
-            bs_ptrs = _b_scale_ptrs(bs_ptr + g * stride_bsg, pid_n, offs_bn, stride_bsn, True, BLOCK_N)
+            bs_ptrs = b_scale_ptrs(bs_ptr + g * stride_bsg, pid_n, offs_bn, stride_bsn, True, BLOCK_N)
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
@@ -322,59 +327,59 @@ if HAS_TRITON:
                     b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk, mask=k_ok[None, :], other=0.0)
                 sa = tl.load(as_ptrs + kb * stride_ask)
                 sb = tl.load(bs_ptrs + kb * stride_bsk)
-                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
+                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < seg_end)[:, None] & (offs_n < N)[None, :])
 
     @triton.jit
     def _grouped_wgrad_kernel(
-        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, blk_ptr,
+        a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, as_ptr, bs_ptr, blk_ptr,
         N, K, G,
         stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
         stride_asn, stride_asb, stride_bsk, stride_bsb,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, ALIGNED: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
+        TMA_STORE: tl.constexpr,
     ):  # fmt: skip
-        """out[g] tile = Σ over g's 128-token blocks of dot(a[n-tile, blk], b[k-tile, blk]ᵀ)·sa·sb; persistent
-        grid over (expert, n-tile, k-tile), k-tiles fastest so neighbouring programs share the a tile."""
+        """k-grouped wgrad: out[g] tile = Σ_j dot(a[n-tile, block b0+j], b[k-tile, block b0+j]ᵀ)·sa·sb over
+        expert g's token blocks b0 = blocks[g] … blocks[g+1] − 1 of the block-aligned operands (whole 128-column
+        boxes: TMA loads from one descriptor each, no masks). Persistent grid over (expert, n-tile, k-tile)
+        work items, k-tiles fastest so that neighbouring programs share the a tile; an expert without tokens
+        gets an exact zero tile."""
         num_n = tl.cdiv(N, BLOCK_N)
         num_k = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), G * num_n * num_k, NUM_PROGRAMS):
-            g = tile // (num_n * num_k)
-            pid_n = (tile // num_k) % num_n
+        per_g = num_n * num_k
+        rn = tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rt = tl.arange(0, 128)
+        for tile in tl.range(tl.program_id(0), G * per_g, NUM_PROGRAMS):
+            g = tile // per_g
+            pid_n = (tile % per_g) // num_k
             pid_k = tile % num_k
-            seg_lo = tl.load(offs_ptr + g)
-            seg_hi = tl.load(offs_ptr + g + 1)
-            blk0 = tl.load(blk_ptr + g)
-            nblk = tl.load(blk_ptr + g + 1) - blk0
+            b0 = tl.load(blk_ptr + g)
+            nblk = tl.load(blk_ptr + g + 1) - b0
             n0 = pid_n * BLOCK_N
             k0 = pid_k * BLOCK_K
-            # 64-bit scalar bases, 32-bit offsets inside a tile (64-bit pointer tensors would cost registers)
-            a_base = a_ptr + n0.to(tl.int64) * stride_an
-            b_base = b_ptr + k0.to(tl.int64) * stride_bk
-            rn = tl.arange(0, BLOCK_N)
-            rk = tl.arange(0, BLOCK_K)
-            rt = tl.arange(0, 128)
-            n_ld = tl.minimum(rn, N - 1 - n0)  # clamp tail rows onto valid ones (never stored)
-            k_ld = tl.minimum(rk, K - 1 - k0)
-            a_off = n_ld[:, None] * stride_an + rt[None, :] * stride_am
-            b_off = k_ld[:, None] * stride_bk + rt[None, :] * stride_bm
+            n_ld = tl.minimum(n0 + rn, N - 1)  # tail rows load valid ones (never stored)
+            k_ld = tl.minimum(k0 + rk, K - 1)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for j in tl.range(0, nblk):
-                t0 = seg_lo + j * 128
-                left = seg_hi - t0  # tokens of this segment from t0 on
-                if ALIGNED:  # 16-aligned segments: 16-byte loads, masks constant over 16 tokens
-                    t0 = tl.multiple_of(t0, 16)
-                    left = tl.multiple_of(left, 16)
-                t_ok = (rt < left)[None, :]
-                a = tl.load(a_base + t0 * stride_am + a_off, mask=t_ok, other=0.0)
-                b = tl.load(b_base + t0 * stride_bm + b_off, mask=t_ok, other=0.0)
-                sa = tl.load(as_ptr + (n0 + n_ld) * stride_asn + (blk0 + j) * stride_asb)
-                sb = tl.load(bs_ptr + (k0 + k_ld) * stride_bsk + (blk0 + j) * stride_bsb)
-                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
-            c_base = c_ptr + g.to(tl.int64) * stride_cg + n0.to(tl.int64) * stride_cn + k0 * stride_ck
-            c_mask = (rn < N - n0)[:, None] & (rk < K - k0)[None, :]
-            tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck, acc.to(c_ptr.dtype.element_ty),
-                     mask=c_mask)  # fmt: skip
+                col = (b0 + j) * 128
+                if TMA:
+                    a = a_desc.load([n0, col])
+                    b = b_desc.load([k0, col])
+                else:
+                    a = tl.load(a_ptr + n_ld[:, None].to(tl.int64) * stride_an + (col + rt)[None, :] * stride_am)
+                    b = tl.load(b_ptr + k_ld[:, None].to(tl.int64) * stride_bk + (col + rt)[None, :] * stride_bm)
+                sa = tl.load(as_ptr + n_ld * stride_asn + (b0 + j) * stride_asb)
+                sb = tl.load(bs_ptr + k_ld * stride_bsk + (b0 + j) * stride_bsb)
+                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
+            if TMA_STORE:  # the [G·N, K] view: an n-tile never straddles two experts (N % BLOCK_N == 0)
+                c_desc.store([g * N + n0, k0], acc.to(c_desc.dtype))
+            else:
+                c_base = c_ptr + g.to(tl.int64) * stride_cg + n0.to(tl.int64) * stride_cn + k0 * stride_ck
+                c_mask = (rn < N - n0)[:, None] & (rk < K - k0)[None, :]
+                tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck, acc.to(c_ptr.dtype.element_ty),
+                         mask=c_mask)  # fmt: skip
 
     @triton.jit
     def _quant_tokens_grouped_kernel(
@@ -385,7 +390,8 @@ if HAS_TRITON:
         POW2: tl.constexpr, STEPS: tl.constexpr,
     ):  # fmt: skip
         """1x128 quantization along tokens of one [128 tokens, BLOCK_F features] chunk of one segment's token
-        block b (blocks restart at segment starts), written transposed into qt [K, M], scales st[:, b].
+        block b (blocks restart at segment starts), written transposed into the block's own columns
+        128·b : 128·b + 128 of qt [K, 128·max_blocks] (zeros past the segment's end), scales st[:, b].
 
         PROLOGUE 0: x is a float [rows, K] tensor (gathered through idx when HAS_IDX, zeros where idx < 0).
         PROLOGUE 2: x is the FP8 SwiGLU input h [M, 2K] with 1x128 scales xs; the chunk is
@@ -397,7 +403,7 @@ if HAS_TRITON:
         g = _find_group(blk_ptr, pid_b, G, STEPS)
         row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
         left = tl.load(offs_ptr + g + 1) - row0  # rows of the segment from row0 on
-        if ALIGNED:  # 16-aligned segments: masks constant over 16 rows, so stores move 16 bytes
+        if ALIGNED:  # 16-aligned segments: the row masks are constant over 16 rows (16-byte index loads)
             row0 = tl.multiple_of(row0, 16)
             left = tl.multiple_of(left, 16)
         rows = row0 + tl.arange(0, 128)
@@ -424,16 +430,16 @@ if HAS_TRITON:
         else:
             v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
             v = v.to(tl.float32)
-        scale = _scale_from_amax(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
+        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
         q = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
-        tl.store(qt_ptr + offs_k[None, :] * stride_qtk + rows[:, None] * stride_qtm, q,
-                 mask=in_seg[:, None] & k_ok[None, :])  # fmt: skip
+        cols = pid_b * 128 + tl.arange(0, 128)  # the whole block: its rows past the segment's end are zeros
+        tl.store(qt_ptr + offs_k[None, :] * stride_qtk + cols[:, None] * stride_qtm, q, mask=k_ok[None, :])
         tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
 
     @triton.jit
     def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
         """Quantize a [rows, 128] fp32 block 1x128 along its columns; store the codes and the row scales."""
-        scale = _scale_from_amax(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
+        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
         tl.store(q_ptrs, tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv), mask=mask)
         tl.store(s_ptrs, scale, mask=m_ok)
 
@@ -511,40 +517,9 @@ if HAS_TRITON:
             _quant_block(du.to(tl.float32), dqp + (INTER + cols)[None, :] * stride_dqk, up_scales, mask, m_ok, POW2)
         tl.store(dgate_ptr + rows, d_gate, mask=m_ok)
 
-    @triton.jit
-    def _gather_rows_kernel(
-        x_ptr, idx_ptr, out_ptr, R, H, stride_xm, stride_xh, stride_om, stride_oh,
-        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        r_ok = rows < R
-        h_ok = (cols < H)[None, :]
-        src = tl.load(idx_ptr + rows, mask=r_ok, other=-1)
-        v = tl.load(x_ptr + src[:, None] * stride_xm + cols[None, :] * stride_xh, mask=(src >= 0)[:, None] & h_ok,
-                    other=0.0)  # fmt: skip
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_oh, v, mask=r_ok[:, None] & h_ok)
-
-    @triton.jit
-    def _sum_rows_kernel(
-        y_ptr, pos_ptr, out_ptr, T, H, stride_ym, stride_yh, stride_ot, stride_oh,
-        TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):  # fmt: skip
-        """out[t] = Σ_j y[pos[t, j]] summed in fp32 in slot order (deterministic)."""
-        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (toks < T)[:, None] & (cols < H)[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            r = tl.load(pos_ptr + toks * TOPK + j, mask=toks < T, other=0)
-            acc += tl.load(y_ptr + r[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yh, mask=mask,
-                           other=0.0).to(tl.float32)  # fmt: skip
-        tl.store(out_ptr + toks[:, None] * stride_ot + cols[None, :] * stride_oh, acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
-
 
 # ----------------------------------------------------------------------------------------------------------
-# Launch configuration (defaults beside the kernels; the benchmark's sweep may override them)
+# Launch configuration (the default beside the kernels; a benchmark's sweep or a test overrides it in a block)
 # ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GroupedGemmConfig:
@@ -562,49 +537,42 @@ class GroupedGemmConfig:
     programs_per_sm: int = 1
 
 
-# Defaults per GEMM kind ("fprop" covers forward and dgrad). H200 sweep (bench/bench_moe.py --sweep, 16384 tokens,
-# 256 experts, top-8): 64x128 tiles, 4 warps, 3 stages, TMA loads and 3 programs per SM won on all three
-# forward/dgrad shapes (825, 517 and 710 TFLOPS for K = 2048, 512, 1024; 128x128 with 8 warps: 661, 390, 550):
-# three programs per SM overlap one program's epilogue with the others' K loops, which are short at these
-# shapes. Wgrad: 64x128, 4 warps, 3 stages, 2 per SM (333 and 318 TFLOPS; 128x128 with 8 warps: 293).
-GROUPED_CONFIGS: dict[str, GroupedGemmConfig] = {
-    "fprop": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3),
-    "wgrad": GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=False, programs_per_sm=2),
-}
-# small tiles keep Triton's CPU interpreter fast
-_INTERPRETER_CONFIGS: dict[str, GroupedGemmConfig] = {
-    "fprop": GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
-    "wgrad": GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
-}
-# Launch options of the memory-bound grouped kernels (rows per program).
-GROUPED_OPTIONS: dict[str, int] = {"swiglu_block_m": 8, "swiglu_bwd_block_m": 8}  # H200 sweep: 0.21 / 0.23 ms at
-# 131k rows x 1024 (32 rows: 0.28 / 0.33 ms)
-_OVERRIDE: dict[str, GroupedGemmConfig | None] = {k: None for k in GROUPED_CONFIGS}
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch configuration of the grouped kernels: the GEMM tiles per kind ("fprop" covers forward and dgrad;
+    the wgrad's for experts of many tokens, `wgrad_short` where the experts average at most
+    `short_rows_per_expert` rows) and the rows per program of the memory-bound SwiGLU kernels.
+
+    The defaults won the H200 sweeps (bench/bench_moe.py --sweep, 4096 and 16384 tokens, 64 and 256 experts,
+    top-8; figures: docs/kernel_tuning.md): forward/dgrad 64x128 tiles with 4 warps, 3 stages, TMA loads and 3
+    programs per SM (three programs per SM overlap one program's epilogue with the others' K loops, which are
+    short at these shapes). Wgrad 128x128 tiles with 8 warps, 3 stages and TMA; with one or two token blocks
+    per expert, 64x128 tiles, 4 warps and 2 programs per SM (the K loop is too short to hide a tile's epilogue
+    behind its own loads). 8 rows per SwiGLU program."""
+
+    fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
+    wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    wgrad_short: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3,
+                                                       programs_per_sm=2)  # fmt: skip
+    short_rows_per_expert: int = 256
+    swiglu_block_m: int = 8  # rows per program of swiglu_quantize
+    swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
 
 
-def _config(kind: str) -> GroupedGemmConfig:
-    if _OVERRIDE[kind] is not None:
-        return _OVERRIDE[kind]  # type: ignore[return-value]
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return _INTERPRETER_CONFIGS[kind]
-    return GROUPED_CONFIGS[kind]
-
-
-def set_grouped_config(kind: str, cfg: GroupedGemmConfig | None) -> None:
-    """Force the tile configuration of `kind` in {"fprop", "wgrad"}; None restores the default."""
-    if kind not in _OVERRIDE:
-        raise ValueError(f"kind must be one of {sorted(_OVERRIDE)}, got {kind!r}")
-    _OVERRIDE[kind] = cfg
+GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
+    "fp8.grouped",
+    GroupedConfig(),
+    interpreter=GroupedConfig(  # small tiles keep Triton's CPU interpreter fast
+        fprop=GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
+        wgrad=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
+        wgrad_short=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
+    ),
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Public ops
 # ----------------------------------------------------------------------------------------------------------
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    return all(t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in tensors)  # fmt: skip
-
-
 def grouped_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
     out_dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None,
@@ -623,18 +591,16 @@ def grouped_gemm(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config("fprop")
+    cfg = GROUPED_TUNING.current().fprop
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if m == 0 or n == 0 or k == 0:
         return c.zero_()
     tiles = rows.block_offsets(cfg.block_m)
     max_tiles = rows.max_blocks(cfg.block_m) * cdiv(n, cfg.block_n)
-    progs = max(1, min(max_tiles, _num_sms(a.device) * cfg.programs_per_sm))
-    tma = cfg.tma and _tma_ok(a, b)
+    progs = max(1, min(max_tiles, num_sms(a.device) * cfg.programs_per_sm))
+    tma = cfg.tma and tma_compatible(a, b)
     a_desc = b_desc = a
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         b2 = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
         b_desc = TensorDescriptor.from_tensor(b2.view(g * n, k), [cfg.block_n, BLOCK])
@@ -652,31 +618,42 @@ def grouped_gemm_wgrad(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
     out_dtype: torch.dtype = torch.float32, *, backend: str | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Wgrad grouped GEMM: out [G, N, K], out[g] = a[:, seg g]·b[:, seg g]ᵀ (the sum over expert g's tokens).
+    """Wgrad grouped GEMM: out [G, N, K], out[g] = Σ over expert g's tokens of a[:, t]·b[:, t]ᵀ.
 
-    a [N, M] and b [K, M] E4M3 quantized 1x128 along the token dim per segment (`quantize_tokens_grouped`),
-    scales [N, max_blocks] and [K, max_blocks]. Empty segments give zero matrices."""
-    n, m = a.shape
-    k, m2 = b.shape
+    a [N, 128·max_blocks] and b [K, 128·max_blocks] E4M3, block-aligned token-dim operands quantized 1x128 per
+    segment (`quantize_tokens_grouped`), scales [N, max_blocks] and [K, max_blocks]. Empty segments give zero
+    matrices."""
+    n, cols = a.shape
+    k, cols2 = b.shape
     if a.dtype != E4M3 or b.dtype != E4M3:
         raise TypeError(f"a and b must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    if m != m2:
-        raise ValueError(f"a [N={n}, M={m}] and b [K={k}, M={m2}] must share the token dim")
-    _check_rows(rows, m, "a")
+    if cols != rows.max_blocks() * BLOCK or cols2 != cols:
+        raise ValueError(f"a [N={n}, {cols}] and b [K={k}, {cols2}] must both have 128·max_blocks = "
+                         f"{rows.max_blocks() * BLOCK} token columns (quantize_tokens_grouped's layout)")
     if not use_triton(a, backend):
         return grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = _config("wgrad")
+    tuning = GROUPED_TUNING.current()
     g = rows.num_groups
+    short = rows.num_rows <= tuning.short_rows_per_expert * g  # a host-side bound: no sync
+    cfg = tuning.wgrad_short if short else tuning.wgrad
     c = torch.empty(g, n, k, device=a.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
     tiles = g * cdiv(n, cfg.block_m) * cdiv(k, cfg.block_n)
-    progs = max(1, min(tiles, _num_sms(a.device) * cfg.programs_per_sm))
+    progs = max(1, min(tiles, num_sms(a.device) * cfg.programs_per_sm))
+    tma = cfg.tma and tma_compatible(a, b)
+    tma_store = tma and n % cfg.block_m == 0 and tma_compatible(c.view(g * n, k))
+    a_desc = b_desc = c_desc = a  # placeholders, never read without TMA
+    if tma:
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
+        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
+    if tma_store:
+        c_desc = TensorDescriptor.from_tensor(c.view(g * n, k), [cfg.block_m, cfg.block_n])
     _grouped_wgrad_kernel[(progs,)](
-        a, b, c, a_scale, b_scale, rows.offsets, rows.block_offsets(), n, k, g,
+        a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, ALIGNED=rows.alignment % 16 == 0,
+        BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
@@ -691,8 +668,8 @@ def quantize_rows_gathered(
     x [T, K] float, row_idx int32 [M] → (E4M3 [M, K], fp32 scale [M, ceil(K/128)] with the row index fastest).
     With `rows`, rows from rows.total on are left unwritten (the reference writes zeros)."""
     if not use_triton(x, backend):
-        return quantize_1x128_ref(_gathered(x, row_idx), pow2_scales)
-    return _launch_rows(x, pow2_scales, row_idx=row_idx, total=rows.total if rows is not None else None)
+        return quantize_1x128_ref(gather_rows_ref(x, row_idx), pow2_scales)
+    return quantize_1x128_triton(x, pow2_scales, row_idx=row_idx, total=rows.total if rows is not None else None)
 
 
 def quantize_tokens_grouped(
@@ -701,9 +678,11 @@ def quantize_tokens_grouped(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """1x128 quantization along the token dim, blocks restarting at every segment start (wgrad operands).
 
-    x [M, K] (or [T, K] gathered through row_idx int32 [M], zero where < 0) → (E4M3 [K, M], fp32 scale
-    [K, rows.max_blocks()] with the row index fastest); segment g's blocks are columns
-    rows.block_offsets()[g] : [g + 1] of the scale. Columns of unused rows are left unwritten."""
+    x [M, K] (or [T, K] gathered through row_idx int32 [M], zero where < 0) → (E4M3 [K, 128·max_blocks], fp32
+    scale [K, max_blocks] with the row index fastest), block-aligned: segment g's blocks are columns
+    rows.block_offsets()[g] : [g + 1] of the scale and 128 times those of the codes, whose columns past a
+    segment's last token are zero (`token_columns` finds a segment's tokens). Blocks past the used ones are left
+    unwritten."""
     if not use_triton(x, backend):
         return quantize_tokens_grouped_ref(x, rows, row_idx, pow2_scales)
     k = x.shape[1]
@@ -711,12 +690,12 @@ def quantize_tokens_grouped(
 
 
 def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prologue: int, pow2: bool):
-    m = rows.num_rows
-    qt = torch.empty(k, m, device=x.device, dtype=E4M3)
     nb = rows.max_blocks()
+    qt = torch.empty(k, nb * BLOCK, device=x.device, dtype=E4M3)
     st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
-    if m and k:
-        bf = QUANT_OPTIONS["col_block_f"]
+    if rows.num_rows and k:
+        quant = QUANT_TUNING.current()  # the token-dim chunk shape of fp8/quant.py's kernel
+        bf = quant.col_block_f
         dummy = st
         xs_ = xs if xs is not None else dummy
         _quant_tokens_grouped_kernel[(nb, cdiv(k, bf))](
@@ -725,7 +704,7 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
             x.stride(0), x.stride(1), xs_.stride(0), xs_.stride(1), qt.stride(0), qt.stride(1), st.stride(0),
             st.stride(1),
             BLOCK_F=bf, PROLOGUE=prologue, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0,
-            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=QUANT_OPTIONS["col_warps"],
+            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=quant.col_warps,
         )  # fmt: skip
     return qt, st
 
@@ -747,7 +726,7 @@ def swiglu_quantize(
     a_s = torch.empty(inter // BLOCK, m, device=h.device, dtype=torch.float32).t()
     h_q = torch.empty(m, two_i, device=h.device, dtype=E4M3) if save_h else a_q
     h_s = torch.empty(two_i // BLOCK, m, device=h.device, dtype=torch.float32).t() if save_h else a_s
-    bm = GROUPED_OPTIONS["swiglu_block_m"]
+    bm = GROUPED_TUNING.current().swiglu_block_m
     _swiglu_quant_kernel[(cdiv(m, bm), inter // BLOCK)](
         h, row_gate, a_q, a_s, h_q, h_s, rows.total, m, inter,
         h.stride(0), h.stride(1), a_q.stride(0), a_q.stride(1), a_s.stride(0), a_s.stride(1),
@@ -762,7 +741,8 @@ def swiglu_quantize_tokens(
     *, backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """aᵀ for the down projection's wgrad, recomputed from the FP8 SwiGLU input: a = silu·up·gate (fp32) of
-    dequantized h, quantized along tokens per segment → (E4M3 [I, M], scale [I, max_blocks])."""
+    dequantized h, quantized along tokens per segment → (E4M3 [I, 128·max_blocks], scale [I, max_blocks]), the
+    layout of `quantize_tokens_grouped`."""
     if not use_triton(h_q, backend):
         return quantize_tokens_grouped_ref(swiglu_output(h_q, h_s, row_gate, torch.float32), rows, None, pow2_scales)
     return _launch_tokens_grouped(h_q, h_s, None, row_gate, rows, h_q.shape[1] // 2, 2, pow2_scales)
@@ -800,7 +780,7 @@ def swiglu_backward(
     dh_q = torch.empty(m, two_i, device=da.device, dtype=E4M3)
     dh_s = torch.empty(two_i // BLOCK, m, device=da.device, dtype=torch.float32).t()
     d_gate = torch.empty(m, device=da.device, dtype=torch.float32)
-    bm = GROUPED_OPTIONS["swiglu_bwd_block_m"]
+    bm = GROUPED_TUNING.current().swiglu_bwd_block_m
     _swiglu_bwd_kernel[(cdiv(m, bm),)](
         h_q, h_s, da, row_gate, dh, dh_q, dh_s, d_gate, rows.total, m, inter,
         h_q.stride(0), h_q.stride(1), h_s.stride(0), h_s.stride(1), da.stride(0), da.stride(1),
@@ -808,42 +788,6 @@ def swiglu_backward(
         BLOCK_M=bm, POW2=pow2_scales, num_warps=4,
     )  # fmt: skip
     return dh, dh_q, dh_s, d_gate
-
-
-def gather_rows(x: torch.Tensor, row_idx: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """out [M, H] = x[row_idx] with zero rows where row_idx < 0 (the dispatch permutation)."""
-    if not use_triton(x, backend):
-        return _gathered(x, row_idx)
-    r, h = row_idx.shape[0], x.shape[1]
-    out = torch.empty(r, h, device=x.device, dtype=x.dtype)
-    if r and h:
-        _gather_rows_kernel[(cdiv(r, 32), cdiv(h, 256))](
-            x, row_idx, out, r, h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), BLOCK_R=32, BLOCK_H=256,
-        )  # fmt: skip
-    return out
-
-
-def sum_rows(y: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype | None = None, *,
-             backend: str | None = None) -> torch.Tensor:  # fmt: skip
-    """out [T, H] = Σ_j y[pos[t, j]] (pos int32 [T, k]), summed in fp32 in slot order, cast to out_dtype (the
-    combine; also the adjoint of `gather_rows`). Deterministic: no atomics."""
-    out_dtype = out_dtype or y.dtype
-    if not use_triton(y, backend):
-        idx = pos.long()
-        acc = y[idx[:, 0]].float()
-        for j in range(1, idx.shape[1]):  # slot order, as the kernel sums
-            acc += y[idx[:, j]].float()
-        return acc.to(out_dtype)
-    t, k = pos.shape
-    h = y.shape[1]
-    out = torch.empty(t, h, device=y.device, dtype=out_dtype)
-    if t and h:
-        pos = pos.contiguous()
-        _sum_rows_kernel[(cdiv(t, 16), cdiv(h, 256))](
-            y, pos, out, t, h, y.stride(0), y.stride(1), out.stride(0), out.stride(1), TOPK=k, BLOCK_T=16,
-            BLOCK_H=256,
-        )  # fmt: skip
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8.quant import quantize_1x128
+
 __all__ = ["underflow", "distortion", "health_stats", "relative_error", "grouped_experts_health"]
 
 
@@ -99,8 +101,6 @@ def grouped_experts_health(x: torch.Tensor, out: torch.Tensor, weights: tuple[to
     its token row (the kernels gather before they quantize), so these are the rows' statistics over tokens
     (a token routed k times counts once). The SwiGLU output and the token-dim (wgrad) operands are not covered.
     `quantized` = (gate_up codes, scales, down codes, scales) from the experts' weight caches."""
-    from fp8.quant import quantize_1x128
-
     with torch.no_grad():
         h = x.shape[-1]
         health = health_stats("act", x, quantize_1x128(x.detach().reshape(-1, h))[0])

@@ -16,13 +16,13 @@ recipe="blockwise" (the default):
 recipe="tensorwise": one current scale per tensor for x, W and dy (the comparison recipe); GEMMs through
 `torch._scaled_mm` on CUDA (dims multiples of 16) else the dequantize+matmul reference.
 
-Weight cache (`WeightCache`): W is quantized once and reused for as long as its key is unchanged. The key
-is (weight.data_ptr(), weight._version, shape, dtype, device, generation): an optimizer's in-place update
-bumps `_version`, so W is re-quantized once per optimizer step and reused across the micro-batches of
-gradient accumulation. `generation` is a global counter bumped by `invalidate_fp8_weight_caches()`, for
-parameters rewritten behind autograd's back (DeepSpeed writes through `.data`; a ZeRO-3 re-gather into the same
-buffer): `ling.engine.build_engine` calls it from an optimizer step hook, so no loop has to remember it.
-`module.invalidate_weight_cache()` drops one cache.
+Weight cache (`WeightCache`, one per weight, owned by its module): W is quantized once and reused for as long as
+its key is unchanged. The key is (weight.data_ptr(), weight._version, shape, dtype, device): an optimizer's
+in-place update bumps `_version`, so W is re-quantized once per optimizer step and reused across the micro-batches
+of gradient accumulation. For parameters rewritten behind autograd's back (DeepSpeed writes through `.data`; a
+ZeRO-3 re-gather into the same buffer) `invalidate_fp8_weight_caches(model)` clears every cache the model's
+modules own: `ling.train.engine.build_engine` calls it from an optimizer step hook, so no loop has to remember
+it. `module.invalidate_weight_cache()` drops one layer's cache.
 
 Health, check and fallback hooks (read and set by `fp8.monitor.FP8Monitor`): `collect_health = True` makes the
 next forward+backward fill `health` with 0-dim device tensors (act/grad/gradT/weight underflow and distortion,
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8._triton_utils import E4M3
+from fp8.format import E4M3
 from fp8.gemm import fp8_gemm, fp8_gemm_wgrad
 from fp8.health import health_stats, relative_error
 from fp8.quant import (
@@ -74,20 +74,15 @@ RECIPES = ("blockwise", "tensorwise")
 # ablated layer is measured against (the Triton GEMMs sum in another order, which moves outputs by ~1 bf16 ulp).
 EMULATED = "emulated"
 ABLATION_COMPONENTS = ("fwd_x", "fwd_w", "dgrad_dy", "dgrad_w", "wgrad_dy", "wgrad_x", "wgrad_bf16", EMULATED)
-_GENERATION = [0]
-
-
-def invalidate_fp8_weight_caches() -> None:
-    """Make every FP8 weight cache (FP8Linear, FP8 grouped experts) re-quantize at its next use."""
-    _GENERATION[0] += 1
 
 
 class WeightCache:
     """The FP8 form of one weight, re-quantized only when the weight changed.
 
-    The key is (data_ptr, _version, shape, dtype, device, generation): an optimizer's in-place update bumps
-    `_version`, and `invalidate_fp8_weight_caches()` bumps the global generation for updates autograd does not
-    see (DeepSpeed writes through `.data`). `quantize(w) -> tuple of tensors` runs under no_grad.
+    The key is (data_ptr, _version, shape, dtype, device): an optimizer's in-place update bumps `_version`;
+    updates autograd does not see (DeepSpeed writes through `.data`) need `clear()`, which
+    `invalidate_fp8_weight_caches(model)` calls on every cache of a model. `quantize(w) -> tuple of tensors` runs
+    under no_grad.
     """
 
     def __init__(self, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> None:
@@ -97,7 +92,7 @@ class WeightCache:
 
     def get(self, w: torch.Tensor, *options: Any) -> tuple[torch.Tensor, ...]:
         """The quantized `w`; `options` (e.g. the recipe) are part of the key."""
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, _GENERATION[0], *options)
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, *options)
         if self._key != key:
             with torch.no_grad():
                 self._value = self.quantize(w.detach())
@@ -105,7 +100,18 @@ class WeightCache:
         return self._value
 
     def clear(self) -> None:
+        """Drop the cached FP8 weight: the next `get` quantizes again."""
         self._key, self._value = None, ()
+
+
+def invalidate_fp8_weight_caches(model: nn.Module) -> None:
+    """Make every FP8 weight cache owned by `model`'s modules (FP8Linear, the FP8 grouped experts: any
+    `WeightCache` attribute) re-quantize at its next use; call after the weights changed in place unseen by
+    autograd."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, WeightCache):
+                value.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------

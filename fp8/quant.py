@@ -1,8 +1,8 @@
 """Blockwise E4M3 quantizers (DeepSeek-V3 / Ling 2.0 recipe): Triton kernels and their PyTorch references.
 
 Conventions (shared by every function here and by `fp8/gemm.py`):
-- E4M3 (`torch.float8_e4m3fn`, max 448). Scales are fp32, one per block: scale = max(amax, AMAX_FLOOR) / 448
-  with AMAX_FLOOR = 1e-12 * 448 (an all-zero block gets scale 1e-12 and stays exactly zero). With
+- E4M3 (`torch.float8_e4m3fn`, max 448). Scales are fp32, one per block: scale = max(amax, OPERAND_AMAX_FLOOR) /
+  448 with OPERAND_AMAX_FLOOR = 1e-12 * 448 (an all-zero block gets scale 1e-12 and stays exactly zero). With
   `pow2_scales=True` the scale is rounded UP to a power of two (exact bit manipulation, so the quantized
   values never exceed 448). dequantized = x_fp8.float() * scale (per block).
 - q = RN_e4m3(x / scale): fp32 IEEE division (`div_rn` in the kernels), then round-to-nearest-even to E4M3.
@@ -13,22 +13,32 @@ Conventions (shared by every function here and by `fp8/gemm.py`):
 - Tails (K or M not a multiple of 128) form partial blocks: their scale covers only the valid elements.
 - NaN anywhere in a block makes that block's scale NaN (so every value of the block dequantizes to NaN);
   Inf makes the scale Inf (dequantizes to NaN/Inf). Nothing is silently clipped.
+The format's constants live in fp8/format.py (`fp8.quant.BLOCK` is the same object); the kernels' launch shape
+is `QuantConfig`, overridable through `QUANT_TUNING.override(...)`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from fp8._triton_utils import AMAX_FLOOR, BLOCK, E4M3, E4M3_MAX, HAS_TRITON, cdiv, col_major, use_triton
+from fp8.format import BLOCK, E4M3, E4M3_MAX, OPERAND_AMAX_FLOOR, col_major
+from kernels.backend import HAS_TRITON, cdiv, tl, triton, use_triton
+from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
+    from fp8.triton_blocks import scale_from_amax_tl
 
 __all__ = [
+    "BLOCK",
+    "QUANT_TUNING",
+    "QuantConfig",
+    "scale_from_amax",
     "quantize_1x128",
     "quantize_1x128_ref",
+    "quantize_1x128_triton",
     "quantize_128x128",
     "quantize_128x128_ref",
     "quantize_1x128_transposed",
@@ -51,7 +61,7 @@ def scale_from_amax(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tens
 
     NaN amax stays NaN (torch.clamp propagates it); Inf stays Inf.
     """
-    amax = torch.clamp(amax.float(), min=AMAX_FLOOR)
+    amax = torch.clamp(amax.float(), min=OPERAND_AMAX_FLOOR)
     # divisor as a tensor on amax's device: for a Python-scalar divisor PyTorch's CUDA kernel multiplies by the
     # fp32 reciprocal instead (1 ulp off IEEE division for some amax), which made this reference disagree
     # with the kernels' div_rn on GPU
@@ -156,20 +166,6 @@ def quantize_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 if HAS_TRITON:
 
     @triton.jit
-    def _scale_from_amax(amax, nan_count, POW2: tl.constexpr):
-        """Kernel twin of `scale_from_amax` (NaN handled explicitly: max/min instructions drop NaN)."""
-        amax = tl.maximum(amax, 4.48e-10)  # AMAX_FLOOR (1e-12 * 448), as an fp32 literal
-        amax = tl.where(nan_count > 0, float("nan"), amax)
-        scale = tl.math.div_rn(amax, 448.0)
-        if POW2:
-            bits = scale.to(tl.int32, bitcast=True)
-            exp_bits = bits & 0x7F800000
-            rounded = tl.where((bits & 0x7FFFFF) != 0, exp_bits + (1 << 23), bits)
-            bits = tl.where(exp_bits == 0x7F800000, bits, rounded)
-            scale = bits.to(tl.float32, bitcast=True)
-        return scale
-
-    @triton.jit
     def _quant_rows_kernel(
         x_ptr, q_ptr, s_ptr, idx_ptr, total_ptr, M, K,
         stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
@@ -196,7 +192,7 @@ if HAS_TRITON:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok,
                         other=0.0)  # fmt: skip
         x = x.to(tl.float32)
-        scale = _scale_from_amax(tl.max(tl.abs(x), axis=1), tl.sum((x != x).to(tl.int32), axis=1), POW2)
+        scale = scale_from_amax_tl(tl.max(tl.abs(x), axis=1), tl.sum((x != x).to(tl.int32), axis=1), POW2)
         q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=m_ok[:, None] & k_ok)
         tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sk, scale, mask=m_ok)
@@ -211,9 +207,8 @@ if HAS_TRITON:
         block of BLOCK_F features), written transposed into [K, M]; optionally x is E4M3 with 1x128 scales
         along K and is dequantized in registers first.
 
-        Narrow chunks keep few registers live (BLOCK_F=32 with 4 warps: 70 registers, against 204 for a
-        [128, 128] tile; ptxas for sm_90), so many programs per SM hide the memory latency: 118 µs (2.15 TB/s)
-        for a bf16 [16384, 5120] on the H200."""
+        Narrow chunks keep few registers live, so many programs per SM hide the memory latency (figures:
+        docs/kernel_tuning.md)."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_m = pid_m * 128 + tl.arange(0, 128)
@@ -226,7 +221,7 @@ if HAS_TRITON:
         if HAS_IN_SCALE:  # a chunk lies inside one 128-wide K block of the input scales
             xs = tl.load(xs_ptr + offs_m * stride_xsm + (pid_k * BLOCK_F // 128) * stride_xsk, mask=m_ok, other=0.0)
             x = x * xs[:, None]
-        scale = _scale_from_amax(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), POW2)
+        scale = scale_from_amax_tl(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), POW2)
         q = tl.math.div_rn(x, scale[None, :]).to(tl.float8e4nv)
         # transposed store by address arithmetic (the compiler moves the bytes through shared memory)
         tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_m[:, None] * stride_qtm, q, mask=mask)
@@ -247,7 +242,7 @@ if HAS_TRITON:
         w = w.to(tl.float32)
         amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
         nan_count = tl.sum(tl.sum((w != w).to(tl.int32), axis=1), axis=0)
-        scale = _scale_from_amax(amax, nan_count, POW2)
+        scale = scale_from_amax_tl(amax, nan_count, POW2)
         q = tl.math.div_rn(w, scale).to(tl.float8e4nv)
         tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + pid_n * stride_sn + pid_k * stride_sk, scale)
@@ -279,18 +274,32 @@ if HAS_TRITON:
         )
 
 
-# Launch options of the quantize kernels (every choice is bit-identical, see tests/test_fp8_quant.py).
-# H200 sweep (bench/bench_fp8_linear.py --sweep, x [16384, 5120] bf16): the row kernel then the token-dim kernel
-# (chunks of 32 features, 4 warps) give both layouts in 200 µs (2.5 TB/s counting both reads of x); every fused
-# one-read dual kernel was slower (one [128, 128] tile: 348 µs with 4 warps, 432 with 8; two passes over
-# narrow chunks: 300-450 µs).
-QUANT_OPTIONS: dict = {"trans32": True, "transpose_block": 64, "col_block_f": 32, "col_warps": 4, "row_block_m": 64}
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration (the default beside the kernels; a benchmark's sweep or a test overrides it in a block)
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantConfig:
+    """Launch shape of the quantize kernels; every choice gives the same bits (tests/fp8/test_fp8_quant.py).
+
+    The defaults: quantize_1x128_dual runs the row kernel, then the token-dim kernel over narrow chunks (32
+    features, 4 warps), which on the H200 beat every fused one-read kernel tried (docs/kernel_tuning.md)."""
+
+    row_block_m: int = 64  # rows per program of the 1x128 row kernel
+    col_block_f: int = 32  # features per program of the token-dim kernels (this and fp8/grouped.py's); divides 128
+    col_warps: int = 4  # warps per program of the token-dim kernels
+    transpose_block: int = 64  # square tile of the FP8 transpose
+    trans32: bool = True  # transpose widened to 32-bit lanes (byte transposes take a slow path)
 
 
-def _launch_rows(
+QUANT_TUNING: Tuning[QuantConfig] = Tuning("fp8.quant", QuantConfig())
+
+
+def quantize_1x128_triton(
     x: torch.Tensor, pow2_scales: bool, row_idx: torch.Tensor | None = None, total: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (E4M3 [M, K], fp32 scale [M, KB] with the row index fastest). With `row_idx` (int32 [R]) the
+    """The Triton row kernel of `quantize_1x128`, with an optional fused gather (fp8/grouped.py's routed tokens).
+
+    x [M, K] -> (E4M3 [M, K], fp32 scale [M, KB] with the row index fastest). With `row_idx` (int32 [R]) the
     output has R rows, row r quantizing x[row_idx[r]] (zeros where row_idx < 0); `total` (int32 device scalar
     tensor) leaves rows from total on unwritten."""
     m = row_idx.shape[0] if row_idx is not None else x.shape[0]
@@ -298,7 +307,7 @@ def _launch_rows(
     q = torch.empty(m, k, device=x.device, dtype=E4M3)
     s = torch.empty(cdiv(k, BLOCK), m, device=x.device, dtype=torch.float32).t()
     if m and k:
-        bm = QUANT_OPTIONS["row_block_m"]
+        bm = QUANT_TUNING.current().row_block_m
         dummy = s  # placeholder pointer, never read without HAS_IDX / HAS_TOTAL
         _quant_rows_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
             x, q, s, row_idx if row_idx is not None else dummy, total if total is not None else dummy, m, k,
@@ -317,13 +326,14 @@ def _launch_tokens(
     st = torch.empty(cdiv(m, BLOCK), k, device=x.device, dtype=torch.float32).t()
     if m and k:
         xs = x_scale if x_scale is not None else st  # placeholder, never read without HAS_IN_SCALE
-        bf = QUANT_OPTIONS["col_block_f"]
+        cfg = QUANT_TUNING.current()
+        bf = cfg.col_block_f
         if BLOCK % bf:  # a chunk must lie inside one 128-wide K block (input scales, tails)
-            raise ValueError(f"QUANT_OPTIONS['col_block_f'] must divide {BLOCK}, got {bf}")
+            raise ValueError(f"QuantConfig.col_block_f must divide {BLOCK}, got {bf}")
         _quant_tokens_kernel[(cdiv(m, BLOCK), cdiv(k, bf))](
             x, xs, qt, st, m, k, x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
             qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
-            BLOCK_F=bf, HAS_IN_SCALE=x_scale is not None, POW2=pow2_scales, num_warps=QUANT_OPTIONS["col_warps"],
+            BLOCK_F=bf, HAS_IN_SCALE=x_scale is not None, POW2=pow2_scales, num_warps=cfg.col_warps,
         )  # fmt: skip
     return qt, st
 
@@ -348,7 +358,7 @@ def quantize_1x128(
     _check_2d(x, "x")
     if not use_triton(x, backend):
         return quantize_1x128_ref(x, pow2_scales)
-    return _launch_rows(x, pow2_scales)
+    return quantize_1x128_triton(x, pow2_scales)
 
 
 def quantize_1x128_transposed(
@@ -376,13 +386,13 @@ def quantize_1x128_dual(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both quantizations of x [M, K] that a linear needs for its next GEMMs: (E4M3 [M, K], scale [M, KB])
     along K and (E4M3 [K, M], scale [K, MB]) along the token dim M. On CUDA: the row kernel, then the
-    token-dim kernel (faster on the H200 than every fused one-read kernel we tried, see QUANT_OPTIONS)."""
+    token-dim kernel (faster on the H200 than every fused one-read kernel we tried, see QuantConfig)."""
     _check_2d(x, "x")
     if not use_triton(x, backend):
         q, s = quantize_1x128_ref(x, pow2_scales)
         qt, st = quantize_1x128_ref(x.t(), pow2_scales)
         return q, s, qt, st
-    q, s = _launch_rows(x, pow2_scales)
+    q, s = quantize_1x128_triton(x, pow2_scales)
     qt, st = _launch_tokens(x, None, pow2_scales)
     return q, s, qt, st
 
@@ -420,10 +430,11 @@ def fp8_transpose_128x128(
     t = torch.empty(g, k, n, device=q.device, dtype=E4M3)
     if n and k and g:
         qu, tu = q3.view(torch.uint8), t.view(torch.uint8)
-        bt = QUANT_OPTIONS["transpose_block"]
+        cfg = QUANT_TUNING.current()
+        bt = cfg.transpose_block
         _transpose_fp8_kernel[(cdiv(n, bt), cdiv(k, bt), g)](
             qu, tu, n, k, qu.stride(0), qu.stride(1), qu.stride(2), tu.stride(0), tu.stride(1), tu.stride(2),
-            BLOCK_N=bt, BLOCK_K=bt, TRANS32=QUANT_OPTIONS["trans32"], num_warps=4,
+            BLOCK_N=bt, BLOCK_K=bt, TRANS32=cfg.trans32, num_warps=4,
         )  # fmt: skip
     # the GEMMs read scales through strides, so the transposed scale needs no copy
     return (t if q.dim() == 3 else t[0]), scale.transpose(-2, -1)

@@ -26,7 +26,7 @@ EXPERTS_ABLATION = "experts"
 def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> ModelConfig:
     """The `model` node + the `moe`/`precision`/`fp8` nodes → ModelConfig; vocab follows the data when null."""
     d: dict[str, Any] = OmegaConf.to_container(cfg.model, resolve=True)  # type: ignore[assignment]
-    moe = plain_dict(cfg.get("moe"))  # absent in configs written before the node existed: the defaults
+    moe = plain_dict(cfg.moe)
     unknown = sorted(set(moe) - set(MOE_KEYS))
     if unknown:
         raise ValueError(f"moe.{unknown[0]}: unknown key (known: {', '.join(sorted(MOE_KEYS))})")
@@ -48,10 +48,9 @@ def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> Mode
 
 
 def fp8_model_options(fp8: DictConfig) -> dict[str, Any]:
-    """The `fp8` node's model options → ModelConfig fields (`fp8.expert_wgrad`, absent from run configs written
-    before it existed: the recipe's "fp8")."""
+    """The `fp8` node's model options → ModelConfig fields."""
     return {"fp8_recipe": fp8.recipe, "fp8_pow2_scales": bool(fp8.pow2_scales),
-            "fp8_expert_wgrad": str(fp8.get("expert_wgrad", "fp8"))}
+            "fp8_expert_wgrad": str(fp8.expert_wgrad)}
 
 
 def fp8_ablation(cfg: DictConfig) -> frozenset[str]:

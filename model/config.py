@@ -6,6 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from fp8.format import BLOCK
+from fp8.grouped import EXPERT_WGRAD
+from fp8.linear import RECIPES
+
 
 @dataclass
 class ModelConfig:
@@ -112,10 +116,10 @@ class ModelConfig:
                              f"{self.num_experts} (each expert-parallel rank holds num_experts / ep_size experts)")
         if self.precision == "fp8" and self.fp8_recipe == "blockwise":
             for key in ("hidden_size", "expert_intermediate_size"):
-                need(getattr(self, key) % 128 == 0, key,
-                     f"must be a multiple of 128 for the blockwise FP8 experts, got {getattr(self, key)}")
-        need(self.fp8_recipe in ("blockwise", "tensorwise"), "fp8_recipe",
-             f"must be 'blockwise' or 'tensorwise', got {self.fp8_recipe!r}")
+                need(getattr(self, key) % BLOCK == 0, key,
+                     f"must be a multiple of {BLOCK} for the blockwise FP8 experts, got {getattr(self, key)}")
+        need(self.fp8_recipe in RECIPES, "fp8_recipe",
+             f"must be {' or '.join(map(repr, RECIPES))}, got {self.fp8_recipe!r}")
         need(self.fp8_expert_wgrad in EXPERT_WGRAD, "fp8_expert_wgrad",
              f"(config key fp8.expert_wgrad) must be one of {', '.join(EXPERT_WGRAD)}, got {self.fp8_expert_wgrad!r}")
         need(self.document_attention in DOCUMENT_ATTENTION, "document_attention",
@@ -178,7 +182,6 @@ class ModelConfig:
 
 
 DOCUMENT_ATTENTION = ("auto", "flex", "dense")
-EXPERT_WGRAD = ("fp8", "bf16")  # fp8.grouped.EXPERT_WGRAD
 RECOMPUTE = ("none", "full", "selective")
 COMPILE_OPS = ("auto", "on", "off")
 

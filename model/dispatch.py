@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fp8.grouped import GroupedRows, gather_rows, sum_rows
-from model.layers import Fusable
+from fp8.grouped import GroupedRows
+from kernels.fusable import Fusable
+from kernels.rows import gather_rows, sum_rows
 
 
 @dataclass

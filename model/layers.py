@@ -3,6 +3,7 @@ documents), SwiGLU MLP with optional recomputation, and the linear switch."""
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import torch
@@ -11,7 +12,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from fp8._triton_utils import Fusable
+from fp8.linear import FP8Linear
+from kernels.fusable import Fusable
 from model.config import ModelConfig
 
 AttentionMask = torch.Tensor | BlockMask | None  # None: causal; bool [B, 1, T, T]: dense; BlockMask: flex
@@ -31,8 +33,6 @@ def use_compiled(compile_ops: str, x: torch.Tensor) -> bool:
 def make_linear(in_features: int, out_features: int, config: ModelConfig) -> nn.Linear:
     """The one precision switch: a bias-free `nn.Linear`, or `FP8Linear` when `config.precision == "fp8"`."""
     if config.precision == "fp8":
-        from fp8.linear import FP8Linear
-
         return FP8Linear(in_features, out_features, bias=False, recipe=config.fp8_recipe,
                          pow2_scales=config.fp8_pow2_scales)
     return nn.Linear(in_features, out_features, bias=False)
@@ -135,7 +135,7 @@ def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
     skipped, blocks inside one document and below the diagonal need no mask, the rest are masked per element).
 
     Built from each block's first and last document id, [B, T/128] values, instead of evaluating the mask on
-    all T² positions (`create_block_mask`: 8 ms per forward at T = 4096 on an H200). With nondecreasing ids a key
+    all T² positions (`create_block_mask`, slow at every forward: docs/kernel_tuning.md). With nondecreasing ids a key
     block j < i shares a document with query block i iff last_j == first_i, and is full iff, besides, both
     blocks hold one document each. No host sync. T not a multiple of 128: `create_block_mask`."""
     B, T = doc_ids.shape
@@ -173,17 +173,16 @@ def attention_mask(doc_ids: torch.Tensor | None, config: ModelConfig) -> Attenti
     return document_causal_mask(doc_ids)
 
 
-_compiled_flex = None
+# One entry: flex_attention's torch.compile wrapper, built on the first CUDA call and kept for the process (its
+# fused kernel; a wrapper per call would compile again every time).
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(q: torch.Tensor):
     """flex_attention compiled once on CUDA (its fused kernel); eager (the unfused reference) elsewhere."""
-    global _compiled_flex
-    if not q.is_cuda:
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return _compiled_flex_attention() if q.is_cuda else flex_attention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:

@@ -58,21 +58,22 @@ def softmax_cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor,
     return nll, z.to(logits.dtype)
 
 
-_compiled_grad = None
+# One entry: the chunk epilogue's torch.compile wrapper, built on first use and kept for the process (a wrapper
+# per call would compile again every time).
+@functools.lru_cache(maxsize=1)
+def _compiled_chunk_grad():
+    return torch.compile(softmax_cross_entropy_grad, dynamic=False)
 
 
 def _chunk_grad_fn(compiled: bool):
     """The chunk epilogue, fused by torch.compile on CUDA (one read of the logits per reduction and one write
     of the gradient instead of ~7 full fp32 passes), eager elsewhere. Same maths either way."""
-    global _compiled_grad
-    if not compiled:
-        return softmax_cross_entropy_grad
-    if _compiled_grad is None:
-        _compiled_grad = torch.compile(softmax_cross_entropy_grad, dynamic=False)
-    return _compiled_grad
+    return _compiled_chunk_grad() if compiled else softmax_cross_entropy_grad
 
 
-@functools.cache
+# One entry per device (a handful): whether cuBLAS takes the mixed-dtype in-place addmm there, asked once since
+# the probe launches a GEMM.
+@functools.lru_cache(maxsize=16)
 def _mixed_addmm_in_place(device: torch.device) -> bool:
     """Whether `torch.addmm(acc_fp32, a_bf16, b_bf16, out_dtype=fp32, out=acc)` is accepted here (cuBLAS with
     an fp32 C read and written in place: CUDA in recent torch versions). Asked once per device; reads nothing

@@ -17,9 +17,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fp8.grouped import fp8_grouped_experts, quantize_expert_weights
+from fp8.health import grouped_experts_health
+from fp8.linear import WeightCache
+from kernels.fusable import Fusable
 from model.config import ModelConfig
 from model.dispatch import DispatchPlan, expert_parallel, permute, plan_dispatch, row_gates, unpermute
-from model.layers import MLP, Fusable, scope, use_compiled
+from model.layers import MLP, scope, use_compiled
 
 
 class RouterOutput(NamedTuple):
@@ -177,9 +181,6 @@ class GroupedExperts(nn.Module):
         self.collect_health = False  # fp8.monitor's hook: a sampled step fills `health` (fp8.health)
         self.health: dict[str, torch.Tensor] = {}
         if self.fp8:
-            from fp8.grouped import quantize_expert_weights
-            from fp8.linear import WeightCache
-
             quantize = lambda w: quantize_expert_weights(w, self.pow2_scales)  # noqa: E731
             self._gate_up_fp8, self._down_fp8 = WeightCache(quantize), WeightCache(quantize)
 
@@ -192,14 +193,10 @@ class GroupedExperts(nn.Module):
         """x [T, H] tokens (under expert parallelism: the received rows), topk_weight [T, k], plan over the
         local experts → [T, H]."""
         if self.fp8:
-            from fp8.grouped import fp8_grouped_experts
-
             wq = (*self._gate_up_fp8.get(self.gate_up_proj), *self._down_fp8.get(self.down_proj))
             out = fp8_grouped_experts(x, topk_weight, self.gate_up_proj, self.down_proj, wq, plan.row_src,
                                       plan.pos, plan.rows, self.pow2_scales, self.wgrad)  # fmt: skip
             if self.collect_health:
-                from fp8.health import grouped_experts_health
-
                 self.health = grouped_experts_health(x, out, (self.gate_up_proj, self.down_proj), wq)
             return out
         rows_x = permute(x, plan)

@@ -11,6 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("LING_TEST_GPU")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from kernels.interpreter import fixed_fp8_cast, interpreter_available  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -23,9 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def triton_interpreter():
-    """Run Triton kernels on CPU tensors with the interpreter's e4m3 cast fixed (see tests/triton_cpu.py)."""
-    from tests.triton_cpu import fixed_fp8_cast, interpreter_available
-
+    """Run Triton kernels on CPU tensors with the interpreter's e4m3 cast fixed (see kernels/interpreter.py)."""
     if not interpreter_available():
         pytest.skip("triton is not installed")
     with fixed_fp8_cast():

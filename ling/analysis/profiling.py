@@ -337,7 +337,7 @@ class StepProfiler:
         log.info("profile of step %d: %s (%.1f %s in all)", n, md, summary.total_ms, summary.unit)
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = ("model", "fp8", "ling", "data")
 
 

@@ -72,8 +72,7 @@ class SavedZeroState:
     def __init__(self, folder: Path, world: int, expert_names: set[str], numel: dict[str, int]) -> None:
         self.sds = [torch.load(zero_file(folder, r), map_location="cpu", mmap=True,
                                weights_only=False)["optimizer_state_dict"] for r in range(world)]  # fmt: skip
-        no_ep = {"ep_size": 1, "ep_rank": 0}  # checkpoints from before expert parallelism
-        layouts = [torch.load(folder / TRAINER_STATE.format(rank=r), weights_only=False).get("expert_parallel", no_ep)
+        layouts = [torch.load(folder / TRAINER_STATE.format(rank=r), weights_only=False)["expert_parallel"]
                    for r in range(world)]  # fmt: skip
         self.ep_size = layouts[0]["ep_size"]
         found: dict[str, list[tuple[tuple[int, int], int, int, Any]]] = {}
@@ -217,4 +216,4 @@ def load_resharded(engine, folder: Path, saved_ep: int) -> None:
     if engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(_lr_scheduler_state(client["lr_scheduler"], len(base.param_groups)))
     engine.global_steps, engine.skipped_steps = client["global_steps"], client["skipped_steps"]
-    engine.global_samples = client.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.global_samples = client["global_samples"]

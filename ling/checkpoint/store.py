@@ -369,7 +369,7 @@ def rotate(ckpt_dir: Path, keep_last: int, current_step: int) -> list[str]:
 def _read_manifest(folder: Path) -> dict[str, Any] | str:
     path = folder / MANIFEST
     if not path.is_file():
-        return "no manifest.json (the save did not finish, or the checkpoint predates manifests)"
+        return "no manifest.json (the save did not finish)"
     try:
         manifest = json.loads(path.read_text())
         if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), dict):
@@ -418,7 +418,7 @@ def verify(folder: Path, checksums: bool = True, world_size: int | None = None) 
         problems.append(f"written by {manifest.get('world_size')} ranks, this run has {nranks}")
     else:
         files = manifest["files"]
-        needed = [TRAINER_STATE.format(rank=r) for r in range(nranks)] + expert_shard_names(manifest.get("ep_size", 1))
+        needed = [TRAINER_STATE.format(rank=r) for r in range(nranks)] + expert_shard_names(manifest["ep_size"])
         problems += [f"{name} is not in the manifest" for name in needed if name not in files]
         names = sorted(files)
         problems += [p for n in names[rank::world] if (p := _check_file(folder, n, files[n], checksums))]
@@ -473,10 +473,11 @@ def load(engine, folder: Path) -> dict[str, Any]:
     optimizer's format. The trainer state then says `converted_from` (the saved optimizer's name) for the log."""
     rank, _ = rank_world()
     manifest = _read_manifest(folder)
-    saved_ep = manifest.get("ep_size", 1) if isinstance(manifest, dict) else 1
-    saved_opt = manifest.get("optimizer") if isinstance(manifest, dict) else None  # absent before 2026-12-01
+    if isinstance(manifest, str):
+        raise ValueError(f"checkpoint {folder}: {manifest}")
+    saved_ep, saved_opt = manifest["ep_size"], manifest["optimizer"]
     layout = expert_layout(engine)
-    converted = saved_opt is not None and saved_opt != optimizer_name(engine)
+    converted = saved_opt != optimizer_name(engine)
     if saved_ep != layout["ep_size"] or converted:
         load_resharded(engine, folder, saved_ep)
     else:

@@ -7,21 +7,20 @@ expert-parallel group; the expert stacks are marked as DeepSpeed MoE parameters 
 `group_name="ep_size_P"`) and go into DeepSpeed MoE parameter groups (`moe: True`), which ZeRO-1/2 partition
 and reduce over the expert-data-parallel group only (gradients are still divided by the whole world, as the
 dense ones: the experts' tokens came from every rank); dense parameters stay over all ranks.
+
+What this project changes in DeepSpeed itself (its engine and BF16 optimizer subclasses, the private groups
+calls, the version check) is in ling/train/deepspeed_compat.py; engines are built through its `initialize_engine`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Iterable
 from typing import Any
-from unittest import mock
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from deepspeed.utils import groups as ds_groups
 from omegaconf import DictConfig
 from torch import nn
 
@@ -29,6 +28,7 @@ from fp8.adam import FP8AdamW
 from fp8.linear import invalidate_fp8_weight_caches
 from ling.checkpoint.hf import load_hf_checkpoint
 from ling.config import ADAM_ABLATIONS, apply_fp8_ablation, fp8_ablation, plain_dict
+from ling.train.deepspeed_compat import create_expert_groups, expert_group_name, initialize_engine
 from ling.train.schedule import lr_multiplier
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
@@ -38,14 +38,10 @@ OPTIM_KEYS = {"name", "lr", "betas", "eps", "weight_decay", "grad_clip", "schedu
 FP8_OPTIM_KEYS = {"block_size", "min_fp8_numel", "rounding"}
 
 
-def expert_group_name(ep_size: int) -> str:
-    """DeepSpeed's name of the expert-(data-)parallel groups of size `ep_size` (also the MoE params' group_name)."""
-    return f"ep_size_{ep_size}"
-
-
 def expert_parallel_group(ep_size: int, zero_stage: int):
     """This rank's expert-parallel process group for `moe.ep_size` (None for 1), created once with DeepSpeed's
-    groups API together with the expert-data-parallel groups ZeRO reduces the experts over."""
+    groups API together with the expert-data-parallel groups ZeRO reduces the experts over
+    (deepspeed_compat.create_expert_groups)."""
     if ep_size == 1:
         return None
     if zero_stage not in (1, 2):
@@ -55,8 +51,7 @@ def expert_parallel_group(ep_size: int, zero_stage: int):
     if world % ep_size:
         raise ValueError(f"moe.ep_size={ep_size} does not divide the world size ({world} ranks): the experts are "
                          "split over groups of ep_size consecutive ranks")
-    ds_groups._create_expert_and_data_parallel(ep_size)  # no-op when they exist
-    return ds_groups._get_expert_parallel_group(expert_group_name(ep_size))
+    return create_expert_groups(ep_size)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -146,7 +141,7 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
             # ZeRO-1 + bf16 + fp32 runs through DeepSpeed's BF16_Optimizer: each micro-batch's bf16 gradient is
             # added into an fp32 gradient in its post-accumulate hook and freed (immediate_grad_update), and the
             # boundary all-reduces the fp32 sums. Its all-reduce would round them to bf16 (1.7e-3 off the exact
-            # sum, tests/test_grad_accum.py) unless it communicates in fp32.
+            # sum, tests/runtime/test_grad_accum.py) unless it communicates in fp32.
             conf["communication_data_type"] = "fp32"
             conf["bf16"]["immediate_grad_update"] = True
         if use_bf16:  # fp32 runs accumulate in fp32 anyway
@@ -164,84 +159,6 @@ def init_partitioned_parameters(model: LingForCausalLM) -> None:
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if rank == 0:
                 model.init_parameter(name, p)
-
-
-@functools.cache
-def _expert_parallel_engine() -> type:
-    """DeepSpeed's engine hands its ZeRO optimizer the expert-data-parallel groups (and configures the MoE
-    parameter groups) only when the model contains DeepSpeed's own `deepspeed.moe.layer.MoE` modules, which
-    ours are not. This subclass raises that flag while the ZeRO optimizer (or, for ZeRO-1 + bf16 + fp32
-    accumulation, the BF16_Optimizer) is built and lowers it again, so that checkpoints keep DeepSpeed's plain
-    layout (ling/checkpoint/store.py writes the experts beside it). The BF16_Optimizer leaves the boundary all-reduce to
-    the engine, which reduces the expert gradients over their expert-data-parallel groups only under the flag:
-    it is raised for that call too (without it the experts were averaged over every rank, experts of other
-    expert-parallel ranks included; tests/test_expert_parallel.py)."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    class ExpertParallelEngine(DeepSpeedEngine):
-        def _configure_zero_optimizer(self, optimizer):
-            with self._moe_flag_raised():
-                return super()._configure_zero_optimizer(optimizer)
-
-        def _configure_bf16_optimizer(self, optimizer):
-            with self._moe_flag_raised():
-                return super()._configure_bf16_optimizer(optimizer)
-
-        def allreduce_gradients(self, *args, **kwargs):
-            if not isinstance(self.optimizer, BF16_Optimizer):  # ZeRO reduces in its own hooks and groups
-                return super().allreduce_gradients(*args, **kwargs)
-            with self._moe_flag_raised():
-                return super().allreduce_gradients(*args, **kwargs)
-
-        @contextlib.contextmanager
-        def _moe_flag_raised(self):
-            self.has_moe_layers = True
-            try:
-                yield
-            finally:
-                self.has_moe_layers = False
-
-    return ExpertParallelEngine
-
-
-@functools.cache
-def _lean_bf16_optimizer() -> type:
-    """DeepSpeed's BF16_Optimizer (ZeRO-1 + bf16 + fp32 accumulation) with a leaner gradient hook. DeepSpeed adds
-    each micro-batch's bf16 gradient into the fp32 one as `hp.add_(lp.grad.to(fp32))`: the cast writes an fp32
-    temporary and the add reads it again (18 bytes moved per parameter). A mixed-dtype in-place add reads the
-    bf16 gradient and converts it inside the kernel (10 bytes). Both add the same fp32 value (bf16 → fp32 is
-    exact), so the sums are bit-identical (tests/test_grad_accum.py)."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
-    class LeanBF16Optimizer(BF16_Optimizer):
-        @torch.no_grad()
-        def _update_hp_grad(self, lp, group_idx, param_idx, clear_lp_grads):
-            if lp.grad is None or getattr(self, "autoep_folding_tp_group", None) is not None:
-                return super()._update_hp_grad(lp, group_idx, param_idx, clear_lp_grads)
-            hp_grad = self.fp32_groups_gradients[group_idx][param_idx]
-            hp_grad.add_(lp.grad.reshape(hp_grad.shape))
-            lp._hp_grad = hp_grad
-            self.fp32_groups_has_gradients[group_idx][param_idx] = True
-            if clear_lp_grads:
-                lp.grad.zero_()
-
-    return LeanBF16Optimizer
-
-
-def initialize_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict[str, Any],
-                      lr_scheduler: Any = None, expert_parallel: bool = False) -> tuple:
-    """`deepspeed.initialize(model, optimizer, config, lr_scheduler)` with this project's two substitutions:
-    ZeRO-1's BF16_Optimizer with the lean gradient hook (`_lean_bf16_optimizer`) and, with `expert_parallel`,
-    the ExpertParallelEngine (`_expert_parallel_engine`). The trainer, the benchmarks and the tests build their
-    engines here, so that they all run the same gradient path. → deepspeed.initialize's tuple."""
-    from deepspeed.runtime import engine as ds_engine
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(ds_engine, "BF16_Optimizer", _lean_bf16_optimizer()))
-        if expert_parallel:
-            stack.enter_context(mock.patch.object(deepspeed, "DeepSpeedEngine", _expert_parallel_engine()))
-        return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
 
 
 def bf16_enabled(cfg: DictConfig, device: torch.device) -> bool:
@@ -278,7 +195,7 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
                                 ablate)
     # DeepSpeed writes updated weights through `.data` (no autograd version bump): after every optimizer step
     # (whoever calls it: ZeRO's wrapper, a test, another loop) each FP8 weight cache is re-quantized once.
-    optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches())
+    optimizer.register_step_post_hook(lambda *_: invalidate_fp8_weight_caches(model))
     schedule = lr_multiplier(cfg.optim.schedule, int(cfg.train.steps), int(cfg.optim.warmup_steps),
                              float(cfg.optim.min_lr_ratio), float(cfg.optim.decay_fraction))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

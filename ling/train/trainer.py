@@ -20,6 +20,7 @@ import random
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,15 @@ from ling.train.memory_plan import MemoryPlanRefusal, plan_memory
 from ling.train.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
 from ling.train.preemption import STOP_SIGNALS, Preempted, StopSignals
 from ling.train.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run, write_hydra_files
+from model.config import ModelConfig
 from model.layers import scope
 from model.ling import count_parameters
 from model.moe import update_expert_biases
 
 log = logging.getLogger(__name__)
 FRESH = ("none", "null", "None", "")
+# (run config, model config, device) → (DeepSpeed engine, lr scheduler): how the trainer gets its engine
+EngineFactory = Callable[[DictConfig, ModelConfig, torch.device], tuple[Any, Any]]
 
 
 class CheckpointError(StopRun):
@@ -96,9 +100,11 @@ def _due(every: int, step: int, total: int) -> bool:
     return every > 0 and (step % every == 0 or step == total)
 
 
-def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
+def train(cfg: DictConfig, run_dir: Path | None = None, *,
+          build_engine: EngineFactory = build_engine) -> dict[str, Any]:
     """Run `cfg.train.steps` optimizer steps; returns the last step's metrics (rank-averaged), or the summary
-    of a run that was already complete."""
+    of a run that was already complete. `build_engine` makes the engine (ling.train.engine.build_engine; a test
+    may wrap it to see or instrument the engine)."""
     run_dir = Path(run_dir) if run_dir is not None else run_dir_from_hydra()
     rank = env_rank()  # the launcher's: logging starts before torch.distributed
     with contextlib.ExitStack() as stack:
@@ -115,7 +121,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
             if rank == 0:
                 write_hydra_files(run_dir, cfg)
             signals = stack.enter_context(StopSignals())
-            trainer = Trainer(cfg, run_dir, signals)
+            trainer = Trainer(cfg, run_dir, signals, build_engine=build_engine)
             stack.callback(trainer.close)
             return trainer.fit()
         except RunComplete as done:
@@ -135,9 +141,11 @@ def train(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, Any]:
 
 
 class Trainer:
-    """Builds data, model and engine, resumes, and runs the loop (`fit`). All ranks construct one."""
+    """Builds data, model and engine (through `build_engine`, see `train`), resumes, and runs the loop (`fit`).
+    All ranks construct one."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, signals: StopSignals) -> None:
+    def __init__(self, cfg: DictConfig, run_dir: Path, signals: StopSignals, *,
+                 build_engine: EngineFactory = build_engine) -> None:
         init_distributed()
         self.cfg, self.run_dir, self.signals = cfg, run_dir, signals
         tc = self.tc = cfg.train

@@ -3,65 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from ling.analysis import compare
-
-STEPS = 200
-
-
-def _config(**changes) -> dict:
-    conf = {"run_name": "x", "train": {"steps": STEPS, "seed": 1, "seq_len": 256},
-            "optim": {"name": "adamw", "lr": 3e-4},
-            "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "health_every": 0},
-            "model": {"hidden_size": 128}}
-    node = OmegaConf.create(conf)
-    for key, value in changes.items():
-        OmegaConf.update(node, key, value, force_add=True)
-    return OmegaConf.to_container(node)
-
-
-def write_run(root: Path, name: str, loss: np.ndarray, config: dict, health: bool = False,
-              held_out: float | None = None) -> Path:
-    run = root / name
-    run.mkdir(parents=True)
-    with open(run / "metrics.jsonl", "w") as f:
-        for i, value in enumerate(loss):
-            rec = {"step": i + 1, "loss": float(value), "lr": 1e-3}
-            if health and i % 10 == 0:
-                for layer in ("layers.0.attention.dense", "layers.1.attention.dense"):
-                    for k, kind in enumerate(compare.HEALTH_KINDS):
-                        rec[f"fp8/{layer}/{kind}_underflow"] = 0.01 * (k + 1) + 1e-5 * i
-                        rec[f"fp8/{layer}/{kind}_distortion"] = 0.1 * (k + 1)
-            f.write(json.dumps(rec) + "\n")
-    (run / "resolved_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({**config, "run_name": name})))
-    if held_out is not None:
-        (run / "eval").mkdir()
-        rec = {"step": len(loss), "split": "val", "precision": config["precision"]["name"],
-               "metrics": {"loss": held_out}}
-        (run / "eval" / f"step{len(loss):08d}-val.json").write_text(json.dumps(rec))
-    return run
-
-
-def _baseline(seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    steps = np.arange(1, STEPS + 1)
-    return 2.0 + 8.0 * np.exp(-steps / 40) + 0.05 * rng.standard_normal(STEPS)
+from tests.helpers import COMPARE_STEPS, baseline_loss, run_config, write_run
 
 
 def test_known_offset_gives_known_summary_and_writes_report(tmp_path):
-    base = _baseline()
-    b = write_run(tmp_path, "bf16", base, _config(), held_out=3.0)
-    a = write_run(tmp_path, "fp8", base * 1.002, _config(**{"precision.name": "fp8", "optim.name": "fp8_adamw"}),
+    base = baseline_loss()
+    b = write_run(tmp_path, "bf16", base, run_config(), held_out=3.0)
+    a = write_run(tmp_path, "fp8", base * 1.002, run_config(**{"precision.name": "fp8", "optim.name": "fp8_adamw"}),
                   health=True, held_out=3.003)
     out = tmp_path / "report"
     comp = compare.compare([(a, b)], out_dir=out)
     p = comp.pairs[0]
-    assert p.steps == STEPS and p.window == (161, 200) and p.window_steps == 40
+    assert p.steps == COMPARE_STEPS and p.window == (161, 200) and p.window_steps == 40
     # a constant relative offset: every relative difference is 0.002 up to float rounding
     assert p.mean_rel == pytest.approx(0.002, abs=1e-12)
     assert p.mean_abs_rel == pytest.approx(0.002, abs=1e-12)
@@ -116,15 +74,15 @@ def test_autocorrelated_residuals_widen_the_interval():
 def test_seeds_and_noise_floor(tmp_path):
     pairs, noise = [], []
     for seed, offset in ((1, 0.0004), (2, 0.0006), (3, 0.0008)):
-        base = _baseline(seed)
-        b = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
+        base = baseline_loss(seed)
+        b = write_run(tmp_path, f"s{seed}_bf16", base, run_config(**{"train.seed": seed}))
         a = write_run(tmp_path, f"s{seed}_fp8", base * (1 + offset),
-                      _config(**{"train.seed": seed, "precision.name": "fp8"}))
+                      run_config(**{"train.seed": seed, "precision.name": "fp8"}))
         pairs.append((a, b))
     # noise pair: ±0.2 % alternating, so its mean |rel| is 0.2 %
-    base = _baseline(1)
-    sign = np.where(np.arange(STEPS) % 2 == 0, 1.0, -1.0)
-    n = write_run(tmp_path, "s1_bf16_rerun", base * (1 + 0.002 * sign), _config(**{"train.seed": 1}))
+    base = baseline_loss(1)
+    sign = np.where(np.arange(COMPARE_STEPS) % 2 == 0, 1.0, -1.0)
+    n = write_run(tmp_path, "s1_bf16_rerun", base * (1 + 0.002 * sign), run_config(**{"train.seed": 1}))
     noise.append((n, tmp_path / "s1_bf16"))
     comp = compare.compare(pairs, noise, tmp_path / "out")
     assert [p.mean_rel for p in comp.pairs] == pytest.approx([0.0004, 0.0006, 0.0008], abs=1e-12)
@@ -149,11 +107,11 @@ def test_noise_pairs_off_zero_are_called_systematic(tmp_path):
     deterministic twins). Noise pairs of both signs are not."""
     pairs, noise = [], []
     for seed, offset in ((1, 0.008), (2, 0.010), (3, 0.012)):
-        base = _baseline(seed)
-        b = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
-        fp8 = _config(**{"train.seed": seed, "precision.name": "fp8"})
+        base = baseline_loss(seed)
+        b = write_run(tmp_path, f"s{seed}_bf16", base, run_config(**{"train.seed": seed}))
+        fp8 = run_config(**{"train.seed": seed, "precision.name": "fp8"})
         pairs.append((write_run(tmp_path, f"s{seed}_fp8", base, fp8), b))
-        rerun = write_run(tmp_path, f"s{seed}_bf16_rerun", base * (1 + offset), _config(**{"train.seed": seed}))
+        rerun = write_run(tmp_path, f"s{seed}_bf16_rerun", base * (1 + offset), run_config(**{"train.seed": seed}))
         noise.append((rerun, b))
     comp = compare.compare(pairs, noise, tmp_path / "out")
     half = 4.302653 * 0.002 / np.sqrt(3)  # t(0.975, 2) · std / sqrt(3)
@@ -161,16 +119,16 @@ def test_noise_pairs_off_zero_are_called_systematic(tmp_path):
     flagged = (f"the noise pairs' mean +1.000 % is not 0 (95 % interval [{100 * (0.01 - half):+.3f} %, "
                f"{100 * (0.01 + half):+.3f} %]): their runs differ from their twins systematically")
     assert flagged in compare.verdict(comp)
-    both = [(write_run(tmp_path, f"s{s}_bf16_rerun2", _baseline(s) * (1 + o), _config(**{"train.seed": s})), b)
+    both = [(write_run(tmp_path, f"s{s}_bf16_rerun2", baseline_loss(s) * (1 + o), run_config(**{"train.seed": s})), b)
             for (s, o), (_, b) in zip(((1, 0.01), (2, -0.01), (3, 0.005)), pairs)]
     assert "noise pairs' mean" not in compare.verdict(compare.compare(pairs, both, tmp_path / "out2"))
 
 
 def test_cli_globs_and_default_output(tmp_path, monkeypatch, capsys):
     for seed in (1, 2):
-        base = _baseline(seed)
-        write_run(tmp_path, f"s{seed}_bf16", base, _config())
-        write_run(tmp_path, f"s{seed}_fp8", base * 1.001, _config(**{"precision.name": "fp8"}))
+        base = baseline_loss(seed)
+        write_run(tmp_path, f"s{seed}_bf16", base, run_config())
+        write_run(tmp_path, f"s{seed}_fp8", base * 1.001, run_config(**{"precision.name": "fp8"}))
     monkeypatch.chdir(tmp_path)
     comp = compare.main(["--pairs", "s*_fp8:s*_bf16"])
     assert [(p.candidate, p.baseline) for p in comp.pairs] == [("s1_fp8", "s1_bf16"), ("s2_fp8", "s2_bf16")]
@@ -181,13 +139,13 @@ def test_cli_globs_and_default_output(tmp_path, monkeypatch, capsys):
 def test_steps_compares_every_pair_on_its_first_n_common_steps(tmp_path):
     """--steps N: a pair cut short (a branch stopped at 150 of 200 steps) and a full one are both summarized on
     steps 1..N exactly as if both runs had stopped there; the end-of-run held-out result is left out."""
-    base = _baseline()
-    rel = np.where(np.arange(1, STEPS + 1) <= 120, 0.001, 0.01)  # the difference jumps after step 120
-    b = write_run(tmp_path, "bf16", base, _config(), held_out=3.0)
-    a = write_run(tmp_path, "fp8", base * (1 + rel), _config(**{"precision.name": "fp8"}), held_out=3.3)
-    cut = write_run(tmp_path, "fp8_cut", (base * (1 + rel))[:150], _config(**{"precision.name": "fp8"}))
-    b_short = write_run(tmp_path, "bf16_short", base[:120], _config())
-    a_short = write_run(tmp_path, "fp8_short", (base * (1 + rel))[:120], _config(**{"precision.name": "fp8"}))
+    base = baseline_loss()
+    rel = np.where(np.arange(1, COMPARE_STEPS + 1) <= 120, 0.001, 0.01)  # the difference jumps after step 120
+    b = write_run(tmp_path, "bf16", base, run_config(), held_out=3.0)
+    a = write_run(tmp_path, "fp8", base * (1 + rel), run_config(**{"precision.name": "fp8"}), held_out=3.3)
+    cut = write_run(tmp_path, "fp8_cut", (base * (1 + rel))[:150], run_config(**{"precision.name": "fp8"}))
+    b_short = write_run(tmp_path, "bf16_short", base[:120], run_config())
+    a_short = write_run(tmp_path, "fp8_short", (base * (1 + rel))[:120], run_config(**{"precision.name": "fp8"}))
     comp = compare.main(["--pairs", f"{a}:{b}", f"{cut}:{b}", "--steps", "120", "--window", "0.5",
                          "--out", str(tmp_path / "r")])
     want = compare.summarize_pair(compare.load_run(a_short), compare.load_run(b_short), window=0.5)
@@ -215,9 +173,9 @@ def test_run_dir_without_logs(tmp_path):
 
 
 def test_configs_differing_beyond_precision_warn_with_the_list(tmp_path):
-    base = _baseline()
-    b = write_run(tmp_path, "bf16", base, _config())
-    a = write_run(tmp_path, "fp8", base, _config(**{"precision.name": "fp8", "optim.lr": 1e-3,
+    base = baseline_loss()
+    b = write_run(tmp_path, "bf16", base, run_config())
+    a = write_run(tmp_path, "fp8", base, run_config(**{"precision.name": "fp8", "optim.lr": 1e-3,
                                                       "train.seq_len": 512}))
     listed = r"optim.lr: 0.001 vs 0.0003; train.seq_len: 512 vs 256"
     with pytest.warns(compare.ConfigMismatchWarning, match=listed) as w:
@@ -229,7 +187,7 @@ def test_configs_differing_beyond_precision_warn_with_the_list(tmp_path):
 
 
 def test_resumed_run_keeps_the_last_record_of_a_step_and_skips_a_cut_line(tmp_path):
-    run = write_run(tmp_path, "r", np.full(10, 5.0), _config())
+    run = write_run(tmp_path, "r", np.full(10, 5.0), run_config())
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 9, "loss": 4.0}) + "\n")
         f.write('{"step": 10, "loss": 3.')  # a crash mid-write
@@ -242,7 +200,7 @@ def test_resumed_run_keeps_the_last_record_of_a_step_and_skips_a_cut_line(tmp_pa
 
 
 def test_health_series_falls_back_to_the_layer_mean(tmp_path):
-    run = compare.load_run(write_run(tmp_path, "h", _baseline(), _config(), health=True))
+    run = compare.load_run(write_run(tmp_path, "h", baseline_loss(), run_config(), health=True))
     s, v = compare.health_series(run, "grad", "underflow")
     assert list(s[:3]) == [1, 11, 21]
     assert v[1] == pytest.approx(0.02 + 1e-5 * 10)
@@ -252,9 +210,9 @@ def test_health_series_falls_back_to_the_layer_mean(tmp_path):
 
 def test_identical_check_passes_a_copy_and_names_the_first_differing_step(tmp_path, capsys):
     """`eval.py compare --identical`: exact equality of every non-timing metric and the held-out loss."""
-    loss = _baseline(3)
-    a = write_run(tmp_path, "a", loss, _config(), held_out=3.25)
-    b = write_run(tmp_path, "b", loss.copy(), _config(), held_out=3.25)
+    loss = baseline_loss(3)
+    a = write_run(tmp_path, "a", loss, run_config(), held_out=3.25)
+    b = write_run(tmp_path, "b", loss.copy(), run_config(), held_out=3.25)
     # timing differs between identical runs and must not count
     with open(b / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
@@ -267,10 +225,10 @@ def test_identical_check_passes_a_copy_and_names_the_first_differing_step(tmp_pa
 
     bumped = loss.copy()
     bumped[41] = np.nextafter(bumped[41], np.inf)  # one ULP at step 42
-    c = write_run(tmp_path, "c", bumped, _config(), held_out=3.25)
+    c = write_run(tmp_path, "c", bumped, run_config(), held_out=3.25)
     problems = compare.identical_runs(compare.load_run(a), compare.load_run(c))
-    assert problems == [f"loss: 1 of {STEPS} steps differ, first at step 42: {loss[41]!r} vs {bumped[41]!r}"]
-    d = write_run(tmp_path, "d", loss, _config(), held_out=3.2500001)
+    assert problems == [f"loss: 1 of {COMPARE_STEPS} steps differ, first at step 42: {loss[41]!r} vs {bumped[41]!r}"]
+    d = write_run(tmp_path, "d", loss, run_config(), held_out=3.2500001)
     assert compare.identical_runs(compare.load_run(a), compare.load_run(d)) == ["held-out loss: 3.25 vs 3.2500001"]
     with pytest.raises(SystemExit) as done:
         compare.main(["--identical", str(a), str(c)])
@@ -280,10 +238,10 @@ def test_identical_check_passes_a_copy_and_names_the_first_differing_step(tmp_pa
 def test_over_the_run_table_shows_where_the_gap_opens(tmp_path):
     """A gap of exactly +1 % from step 101 on: the training loss's 10 ranges of 20 steps read 0 then +1 %; a
     sparsely logged key (val_loss every 50 steps) gets one range per logged step."""
-    base = _baseline()
-    steps = np.arange(1, STEPS + 1)
-    b = write_run(tmp_path, "bf16", base, _config())
-    a = write_run(tmp_path, "fp8", np.where(steps > 100, base * 1.01, base), _config(**{"precision.name": "fp8"}))
+    base = baseline_loss()
+    steps = np.arange(1, COMPARE_STEPS + 1)
+    b = write_run(tmp_path, "bf16", base, run_config())
+    a = write_run(tmp_path, "fp8", np.where(steps > 100, base * 1.01, base), run_config(**{"precision.name": "fp8"}))
     for run, factor in ((b, 1.0), (a, 1.02)):  # val_loss at steps 50, 100, 150, 200; fp8's +2 % from step 150
         lines = (run / "metrics.jsonl").read_text().splitlines()
         with open(run / "metrics.jsonl", "w") as f:
@@ -293,7 +251,7 @@ def test_over_the_run_table_shows_where_the_gap_opens(tmp_path):
                     rec["val_loss"] = 3.0 * (factor if rec["step"] >= 150 else 1.0)
                 f.write(json.dumps(rec) + "\n")
     comp = compare.compare([(a, b)], out_dir=tmp_path / "report")
-    assert comp.edges == list(range(0, STEPS + 1, 20))
+    assert comp.edges == list(range(0, COMPARE_STEPS + 1, 20))
     row = comp.over_the_run["fp8 vs bf16"]
     assert row[:5] == pytest.approx([0.0] * 5, abs=1e-12) and row[5:] == pytest.approx([0.01] * 5, rel=1e-9)
     report = (tmp_path / "report" / "report.md").read_text()

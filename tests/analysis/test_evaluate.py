@@ -16,8 +16,8 @@ from ling.analysis.evaluate import evaluate, run_eval, split_steps
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ModelConfig.preset("tiny", vocab_size=200, num_layers=2, num_experts=8, num_expert_groups=4,
                            topk_groups=2, num_experts_per_tok=2, num_mtp_layers=2)
 
@@ -164,6 +164,7 @@ def eval_cfg(**values):
         return compose(config_name="eval", overrides=overrides)
 
 
+@pytest.mark.slow
 def test_eval_py_end_to_end(tiny_runs):
     run = tiny_runs / "bf16"
     proc = _run(["eval.py", f"checkpoint={run}", "batches=3", "progress_bar=false"])
@@ -180,6 +181,7 @@ def test_eval_py_end_to_end(tiny_runs):
     assert again["metrics"]["lm_loss"] == m["lm_loss"]
 
 
+@pytest.mark.slow
 def test_eval_in_another_precision_and_from_an_hf_export(tiny_runs):
     fp8_run = tiny_runs / "fp8"
     native = run_eval(eval_cfg(checkpoint=fp8_run, batches=2))
@@ -201,6 +203,7 @@ def test_eval_in_another_precision_and_from_an_hf_export(tiny_runs):
     assert from_hf["metrics"]["lm_loss"] == from_run["metrics"]["lm_loss"]
 
 
+@pytest.mark.slow
 def test_eval_bad_input(tiny_runs, tmp_path):
     with pytest.raises(ValueError, match="another model config") as e:
         run_eval(eval_cfg(checkpoint=tiny_runs / "bf16", batches=1, model="tiny", **{"model.hidden_size": 256}))
@@ -217,6 +220,7 @@ def test_eval_bad_input(tiny_runs, tmp_path):
         run_eval(eval_cfg(checkpoint=tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_compare_real_runs_with_held_out_losses(tiny_runs):
     for name in ("bf16", "fp8"):  # held-out figures for both (the fp8 one in its own precision)
         run_eval(eval_cfg(checkpoint=tiny_runs / name, batches=2))
@@ -283,6 +287,7 @@ def test_changed_routing_assignments_by_hand():
     assert _changed_assignments(moved, ref) == (3, 6)
 
 
+@pytest.mark.slow
 def test_eval_step_error_mode_end_to_end(tiny_runs):
     """mode=step_error on a BF16 run's checkpoint: every parameter group, errors in (0, 1), the FP8 twin's loss
     within a few % of fp32's, the same figures when run twice (CPU: deterministic), and the JSON written."""
@@ -301,6 +306,7 @@ def test_eval_step_error_mode_end_to_end(tiny_runs):
         run_eval(eval_cfg(checkpoint=run, batches=1, mode="grads"))
 
 
+@pytest.mark.slow
 def test_step_error_ablation_copies(tiny_runs):
     """step_error_ablate: a backward-only component (dgrad) leaves every loss exactly as the full FP8 copy's and
     changes the gradient; the forward's x quantization changes the loss; FP8Linear entries are measured against

@@ -13,8 +13,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from ling.analysis.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
+from ling.train.engine import build_engine
 from ling.train.trainer import train
-from tests.runtime.test_config import CONF
+from tests.helpers import CONF
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len=32", "model.num_layers=2",
         "train.micro_batch_size=2", "train.grad_accum=2", "deepspeed=zero2", "logging.wandb.mode=disabled",
@@ -23,15 +24,10 @@ TINY = ["+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512", "train.seq_len
 
 def run(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[dict], list]:
     """train() on the tiny model; → (metrics.jsonl lines, the module's parameters)."""
-    import ling.train.trainer as trainer
-
     engines = []
-    real_build = trainer.build_engine
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer, "build_engine", lambda *a, **k: engines.append(real_build(*a, **k)) or engines[-1])
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*TINY, *extra])
-        train(cfg, run_dir=tmp_path / name)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*TINY, *extra])
+    train(cfg, run_dir=tmp_path / name, build_engine=lambda *a: engines.append(build_engine(*a)) or engines[-1])
     lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return lines, list(engines[0][0].module.parameters())
 
@@ -50,6 +46,7 @@ def zero2_state_bytes(params: list, optim: str, min_fp8_numel: int = 4096, block
     return total
 
 
+@pytest.mark.slow
 def test_profiled_step_writes_the_grouped_table_and_leaves_the_run_unchanged(tmp_path):
     plain, params = run(tmp_path, "plain", ["train.steps=3"])
     profiled, _ = run(tmp_path, "profiled", ["train.steps=3", "train.profile_step=2"])
@@ -130,6 +127,7 @@ def test_both_profilers_on_one_step_are_refused(tmp_path):
         train(cfg, run_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_python_profile_of_a_step_groups_host_time_by_package(tmp_path):
     """train.profile_python_step=2 (beside the torch profile of step 3): step 2's host time by package, whose
     shares partition the profiled self time, with the project's model/ and fp8/ code and torch's C ops in it."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[2]
 # one variant per code path (each row is a fresh process, ~5-9 s on CPU): plain autograd, the hand-written hook,
 # ling.engine's engine (ZeRO-1: the lean BF16_Optimizer hook), DeepSpeed's own engine; ZeRO-2's rows differ
 # from zero1 only in the config
@@ -27,6 +27,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_bench_grad_path_runs_on_cpu():
     proc = bench("--model", "tiny", "--device", "cpu", "--steps", "1", "--grad-accum", "2",
                  "--variants", ",".join(VARIANTS))

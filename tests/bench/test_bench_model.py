@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import pytest
+
+from tests.helpers import load_bench
 
 
+@pytest.mark.slow
 def test_bench_model_runs_on_cpu_and_prints_the_model_table_last(capsys):
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_model.py"
-    spec = importlib.util.spec_from_file_location("bench_model", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_model")
     bench.main(["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "1",
                 "--variants", "fast,old_loss,selective", "--loss-chunks", "16,64"])
     out = capsys.readouterr().out

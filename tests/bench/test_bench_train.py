@@ -3,7 +3,6 @@ the profiled step, and one real run of the tiny model with its profile table pri
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -14,18 +13,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "bench_train.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from tests.helpers import ROOT, load_bench
 
 
 def test_variant_specs():
-    bench = load_bench()
+    bench = load_bench("bench_train")
     assert bench.parse_variant("fp8", 1) == ("fp8", False, 1, "none")
     assert bench.parse_variant("bf16_nomtp@4", 1, "full") == ("bf16", True, 4, "full")
     assert bench.parse_variant("fp8_nomtp+selective@max", 1) == ("fp8", True, None, "selective")
@@ -51,7 +43,7 @@ def test_largest_micro_batch_search_doubles_until_oom():
     that fails otherwise stops the bench naming it; nothing fitting → None."""
     import argparse
 
-    bench = load_bench()
+    bench = load_bench("bench_train")
     assert bench.parse_variant("fp8_nomtp@max", 1) == ("fp8", True, None, "none")
     args = argparse.Namespace(micro=1, max_micro=64, steps=12, warmup=4)
     tried = []
@@ -74,7 +66,7 @@ def test_largest_micro_batch_search_doubles_until_oom():
 
 def test_largest_against_largest_line():
     """Each family's fastest @max row, over the recompute modes searched."""
-    bench = load_bench()
+    bench = load_bench("bench_train")
     rows = [{**result("bf16@2", 2, 1000.0, 120.0), "largest_of": "bf16@max"},
             {**result("bf16+full@8", 8, 1100.0, 110.0), "largest_of": "bf16+full@max"},
             {**result("fp8@8", 8, 1700.0, 96.0), "largest_of": "fp8@max"}, result("fp8", 1, 900.0, 70.0)]
@@ -86,7 +78,7 @@ def test_largest_against_largest_line():
 def test_fastest_against_fastest_line_without_a_search():
     """Rows at given micro-batches (the headline run's largest known to fit): each family's fastest row against
     bf16's fastest of the same MTP setting, said to be unsearched; a searched family keeps its @max row."""
-    bench = load_bench()
+    bench = load_bench("bench_train")
     rows = [result("bf16@5", 5, 39379.0, 137.1), result("fp8@4", 4, 34739.0, 87.0),
             result("fp8@12", 12, 40221.0, 130.7), result("bf16_nomtp@5", 5, 48161.0, 129.9),
             result("fp8_nomtp@12", 12, 49063.0, 123.2),
@@ -108,7 +100,7 @@ def result(variant: str, micro: int, tokens: float, mem: float, recompute: str =
 
 
 def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setting():
-    bench = load_bench()
+    bench = load_bench("bench_train")
     results = [result("bf16", 1, 1000.0, 100.0), result("fp8", 1, 1300.0, 70.0),
                result("bf16_nomtp", 1, 1200.0, 80.0), result("fp8_nomtp@1", 1, 1800.0, 40.0),
                {"variant": "bf16@2", "micro": 2, "error": "OOM"}, result("fp8@2", 2, 2000.0, 90.0),
@@ -125,7 +117,7 @@ def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setti
 
 
 def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
-    bench = load_bench()
+    bench = load_bench("bench_train")
     lines = [{"step": s, "tokens_per_s": float(t), "tflops_per_gpu": 1.0, "peak_mem_gib": float(s), "loss": 5.0 - s}
              for s, t in enumerate([1, 2, 100, 3, 4], start=1)]
     lines[0]["optim_state_gib"] = 0.5
@@ -136,8 +128,9 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     assert bench.summarize_run(tmp_path, warmup=1)["tokens_per_s"] == 3.5
 
 
+@pytest.mark.slow
 def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatch, capsys):
-    bench = load_bench()
+    bench = load_bench("bench_train")
     real_run = subprocess.run
 
     def run(cmd, **kw):  # the micro-batch-2 variant "runs out of memory"
@@ -161,13 +154,13 @@ def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatc
 
 def test_profile_must_name_one_of_the_variants():
     with pytest.raises(SystemExit, match="--profile fp8"):
-        load_bench().main(["--variants", "bf16", "--profile", "fp8"])
+        load_bench("bench_train").main(["--variants", "bf16", "--profile", "fp8"])
     with pytest.raises(SystemExit, match="--profile-python fp8"):
-        load_bench().main(["--variants", "bf16", "--profile-python", "fp8"])
+        load_bench("bench_train").main(["--variants", "bf16", "--profile-python", "fp8"])
 
 
 def test_both_profiles_of_one_variant_take_its_last_two_steps(monkeypatch):
-    bench = load_bench()
+    bench = load_bench("bench_train")
     calls = []
     monkeypatch.setattr(bench, "run_variant", lambda spec, args, p=None, q=None: calls.append((spec, p, q)) or
                         {"variant": spec, "micro": 1, "recompute": "none", "error": "OOM"})

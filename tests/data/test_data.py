@@ -364,6 +364,7 @@ def _prepare_in_process(args) -> tuple[str, tuple[int, int], tuple[int, int]]:
             ident(prep.tokenizer.model_path))
 
 
+@pytest.mark.slow
 def test_concurrent_ranks_build_once(tmp_path, corpus_file):
     """Two processes prepare the same data at once: one builds under the lock, the other reuses it."""
     import multiprocessing as mp

@@ -16,15 +16,10 @@ import os
 
 import torch
 
+from tests.helpers import MLP_SIZES, small_mlp
+
 GLOBAL_BATCH = 8
-D_IN, D_HID, D_OUT = 48, 96, 40  # 48·96 + 96 + 96·40 + 40 = 8584 params: not a multiple of 128 or of 2·dp
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(D_IN, D_HID), torch.nn.GELU(), torch.nn.Linear(D_HID, D_OUT)
-    )
+D_IN, _, D_OUT = MLP_SIZES
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +35,7 @@ def make_engine(stage: int):
 
     from fp8.adam import FP8AdamW
 
-    model = make_model()
+    model = small_mlp()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     groups = [
         {"params": [p for p in model.parameters() if p.dim() > 1], "name": "matrices", "weight_decay": 0.1},

@@ -8,8 +8,8 @@ import torch
 
 from fp8.linear import ABLATION_COMPONENTS, EMULATED, FP8Linear
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
-from tests.fp8.test_fp8_linear import run
-from tests.runtime.test_config import compose_cfg
+from ling.analysis.tables import ablation_table, step_error_table
+from tests.helpers import baseline_loss, compose_cfg, run, run_config, write_run
 
 
 def r1(t: torch.Tensor) -> torch.Tensor:
@@ -159,21 +159,19 @@ def test_ablation_table_from_reports_with_known_offsets(tmp_path):
     kept in fp32); without an emulated run every Δ is against fp8; with one (1.0018), the FP8Linear component's Δ
     is against it and the optimizer's stays against fp8."""
     from ling.analysis.compare import compare
-    from scripts.ablation_table import table
-    from tests.analysis.test_compare import _baseline, _config, write_run
 
     factors = {"fp8": 1.002, "no-fwd_x": 1.001, "no-adam_v": 1.0015, "no-emulated": 1.0018}
     pairs = {name: [] for name in factors}
     for seed in (1, 2, 3):
-        base = _baseline(seed)
-        bf16 = write_run(tmp_path, f"s{seed}_bf16", base, _config(**{"train.seed": seed}))
+        base = baseline_loss(seed)
+        bf16 = write_run(tmp_path, f"s{seed}_bf16", base, run_config(**{"train.seed": seed}))
         for name, factor in factors.items():
             fp8 = write_run(tmp_path, f"s{seed}_{name}", base * (factor + 1e-4 * seed),
-                            _config(**{"train.seed": seed, "precision.name": "fp8", "fp8.ablate": [name]}))
+                            run_config(**{"train.seed": seed, "precision.name": "fp8", "fp8.ablate": [name]}))
             pairs[name].append((fp8, bf16))
 
     def rows() -> dict[str, list[str]]:
-        lines = [line.split(" | ") for line in table(tmp_path).splitlines() if line[:2] == "| "]
+        lines = [line.split(" | ") for line in ablation_table(tmp_path).splitlines() if line[:2] == "| "]
         return {cells[0][2:]: cells for cells in lines}
 
     for name in ("fp8", "no-fwd_x", "no-adam_v"):
@@ -222,12 +220,10 @@ def test_step_error_table_over_runs(tmp_path):
     (± t(0.975, 1) · std / sqrt(2) = ± 12.706 · 0.01414 / 1.414 = ± 0.127 %), the ablation averaged likewise."""
     import json
 
-    from scripts.step_error_table import table
-
     for name, bias, d_err in (("s1_bf16", 1e-4, -6e-3), ("s1_fp8", 3e-4, -8e-3)):
         (tmp_path / name / "eval").mkdir(parents=True)
         (tmp_path / name / "eval" / "step_error.json").write_text(json.dumps(_step_error_record(1000, bias, d_err)))
-    out = table(tmp_path)
+    out = step_error_table(tmp_path)
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| s1_")]
     assert [r[0] for r in rows] == ["| s1_bf16", "| s1_fp8"]
     assert rows[0][3] == "+0.0100 % [+0.0090 %, +0.0110 %]" and rows[0][6] == "2.000e-02 / 5.000e-02"
@@ -236,4 +232,4 @@ def test_step_error_table_over_runs(tmp_path):
     assert "FP8's gradient error / bf16's 2.50× [2.50×, 2.50×]" in out
     assert "| fwd_x | fp8-emulated | 2 | -7.00e-03 [" in out
     with pytest.raises(SystemExit, match="no eval/step_error.json"):
-        table(tmp_path / "nothing")
+        step_error_table(tmp_path / "nothing")

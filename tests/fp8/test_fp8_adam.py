@@ -576,6 +576,7 @@ def test_trimmed_state_rejected_and_elastic_config():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_run_300_steps_matches_fp32_adamw():
     """300 steps of the tiny Ling model (shrunk further to fit ~40 s on 2 CPU cores: hidden 64, 1 dense +
     1 MoE layer + MTP, vocab 256) on Markov data (each token has 4 fixed successors, loss floor ln 4):

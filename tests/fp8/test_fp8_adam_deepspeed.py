@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ling.ranks import free_port
+from tests.helpers import ROOT, small_mlp
+
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow  # torchrun, DeepSpeed on 1 and 2 processes
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "fp8" / "dist_adam_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, out: Path, *args: str) -> dict:
@@ -42,10 +38,7 @@ def launch(nproc: int, out: Path, *args: str) -> dict:
 
 
 def initial_params() -> dict[str, torch.Tensor]:
-    sys.path.insert(0, str(ROOT))
-    from tests.fp8.dist_adam_worker import make_model
-
-    return make_model().state_dict()
+    return small_mlp().state_dict()
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8.gemm import GemmConfig, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad, set_gemm_config
+from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
-from tests.fp8.test_fp8_quant import DEVICES, setup_device
+from tests.helpers import DEVICES, rel, setup_device
 
 # (M, N, K): aligned; K tail + odd M; tiny; N tail
 SHAPES = [(256, 256, 512), (77, 200, 300), (1, 130, 129), (130, 64, 128)]
@@ -20,11 +20,6 @@ SHAPES = [(256, 256, 512), (77, 200, 300), (1, 130, 129), (130, 64, 128)]
 # for per-block promotion to fp32): measured 1.2-1.3e-4 for ours and for cuBLAS alike -> 5e-4 there.
 TOL = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
 TOL_GPU = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
 
 
 def operands(m, n, k, device, b_blockwise=True):
@@ -56,11 +51,8 @@ def test_fp8_gemm_matches_float64(device, shape, out_dtype, cfg, request):
     ref = (
         dequantize_1x128(aq.cpu(), as_.cpu(), torch.float64) @ dequantize_128x128(bq.cpu(), bs.cpu(), torch.float64).t()
     )
-    set_gemm_config("fprop", cfg)
-    try:
+    with GEMM_TUNING.override(fprop=cfg):
         out = fp8_gemm(aq, as_, bq, bs, out_dtype=out_dtype, backend="triton")
-    finally:
-        set_gemm_config("fprop", None)
     assert out.dtype == out_dtype and out.shape == (m, n)
     assert rel(out, ref) < (TOL_GPU if device == "cuda" else TOL)[out_dtype]
     assert rel(fp8_gemm_ref(aq.cpu(), as_.cpu(), bq.cpu(), bs.cpu(), out_dtype), ref) < TOL[out_dtype]

@@ -10,22 +10,22 @@ import torch
 
 from fp8.grouped import (
     GroupedRows,
-    gather_rows,
     grouped_gemm,
     grouped_gemm_wgrad,
     quantize_expert_weights,
     quantize_rows_gathered,
     quantize_tokens_grouped,
     quantize_tokens_grouped_ref,
-    sum_rows,
     swiglu_backward,
     swiglu_backward_ref,
     swiglu_quantize,
     swiglu_quantize_ref,
     swiglu_quantize_tokens,
+    token_columns,
 )
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
-from tests.fp8.test_fp8_quant import DEVICES, bits_equal, setup_device
+from kernels.rows import gather_rows, sum_rows
+from tests.helpers import DEVICES, bits_equal, data_rows, layout, rel, setup_device
 
 # segment lengths: empty experts, segments shorter than 16 and than a tile, one longer than two 128-row tiles
 LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
@@ -34,29 +34,6 @@ LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
 # FP8 tensor cores accumulate each 128-deep block with ~14 significant bits: 5e-4 for fp32 outputs.
 TOL = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
 TOL_GPU = {torch.bfloat16: 4e-3, torch.float32: 5e-4}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
-
-
-def layout(lengths: list[int], alignment: int, device: str) -> tuple[GroupedRows, list[tuple[int, int]]]:
-    """Segments of the given data lengths, each rounded up to `alignment` with zero rows, plus unused rows."""
-    padded = [-(-n // alignment) * alignment for n in lengths]
-    offsets = torch.tensor([0] + padded, dtype=torch.int64).cumsum(0).to(torch.int32)
-    num_rows = int(offsets[-1]) + 40  # unused rows at the end, as the dispatch allocates them
-    rows = GroupedRows(offsets.to(device), num_rows, alignment,
-                       data_lengths=torch.tensor(lengths, device=device))  # fmt: skip
-    return rows, [(int(offsets[g]), int(offsets[g]) + n) for g, n in enumerate(lengths)]
-
-
-def data_rows(segments, num_rows: int, width: int, device: str, scale: float = 1.0) -> torch.Tensor:
-    """Random rows where a segment has data, zero rows elsewhere (pad rows and unused rows)."""
-    x = torch.zeros(num_rows, width)
-    for lo, hi in segments:
-        x[lo:hi] = torch.randn(hi - lo, width) * scale
-    return x.to(device)
 
 
 def used(t: torch.Tensor, rows: GroupedRows, dim: int = 0) -> torch.Tensor:
@@ -121,12 +98,16 @@ def test_grouped_wgrad_matches_float64_with_blocks_restarting_per_segment(device
             continue
         nb = -(-(hi - lo) // 128)
         sa, sb = dyt_s[:, blocks[e]:blocks[e] + nb].cpu(), xt_s[:, blocks[e]:blocks[e] + nb].cpu()
-        a = dequantize_1x128(dyt_q[:, lo:hi].cpu(), sa, torch.float64)
-        b = dequantize_1x128(xt_q[:, lo:hi].cpu(), sb, torch.float64)
+        cols = token_columns(rows, e, hi - lo)  # the segment's tokens in the block-aligned layout
+        a = dequantize_1x128(dyt_q[:, cols].cpu(), sa, torch.float64)
+        b = dequantize_1x128(xt_q[:, cols].cpu(), sb, torch.float64)
         assert rel(dw[e], a @ b.t()) < (TOL_GPU if device == "cuda" else TOL)[torch.float32]
         # the scale blocks restart at the segment start: they equal a fresh quantization of the segment alone
         q_ref, s_ref = quantize_1x128(dy[lo:hi].t().cpu().contiguous(), backend="torch")
-        assert bits_equal(dyt_q[:, lo:hi], q_ref) and torch.equal(sa, s_ref.cpu())
+        assert bits_equal(dyt_q[:, cols], q_ref) and torch.equal(sa, s_ref.cpu())
+        # the rest of the segment's last block is zeros (the kernel reads whole blocks)
+        tail = dyt_q[:, cols.stop:(blocks[e] + nb) * 128].cpu()
+        assert torch.equal(tail.view(torch.uint8), torch.zeros_like(tail.view(torch.uint8)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -146,7 +127,7 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
     qt, st = quantize_tokens_grouped(tokens, rows, row_src, backend="triton")
     qt_ref, st_ref = quantize_tokens_grouped_ref(tokens.cpu(), _cpu(rows), row_src.cpu())
     nb = int(rows.block_offsets()[-1])
-    assert bits_equal(used(qt, rows, 1), used(qt_ref, rows, 1))
+    assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128])  # every used block, zero tails included
     assert torch.equal(st[:, :nb].cpu(), st_ref[:, :nb])
     # the gather itself, and its adjoint the ordered sum, exactly
     gathered = gather_rows(tokens, row_src, backend="triton")

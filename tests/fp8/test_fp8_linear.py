@@ -10,23 +10,10 @@ from torch import nn
 from fp8.gemm import fp8_gemm_ref, fp8_gemm_wgrad_ref
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
 from fp8.quant import quantize_1x128_ref, quantize_128x128_ref
-from tests.fp8.test_fp8_quant import DEVICES, setup_device
+from tests.helpers import DEVICES, rel, run, setup_device
 
 HEALTH_KEYS = {"act_underflow", "act_distortion", "grad_underflow", "grad_distortion", "gradT_underflow",
                "gradT_distortion", "weight_underflow", "weight_distortion"}  # fmt: skip
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).norm() / b.norm())
-
-
-def run(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor):
-    x = x.detach().clone().requires_grad_()
-    layer.weight.grad = None
-    y = layer(x)
-    y.backward(dy)
-    return y.detach(), x.grad.detach(), layer.weight.grad.detach()
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
@@ -136,7 +123,7 @@ def test_weight_cache_once_per_step():
     opt.step()  # in-place update bumps weight._version -> re-quantized once
     q2, _ = layer.quantized_weight()
     assert q2 is not q1 and layer.quantized_weight()[0] is q2
-    invalidate_fp8_weight_caches()
+    invalidate_fp8_weight_caches(layer)
     assert layer.quantized_weight()[0] is not q2
 
 

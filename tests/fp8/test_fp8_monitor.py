@@ -11,14 +11,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from fp8.health import distortion, relative_error, underflow
 from fp8.linear import FP8Linear
 from fp8.monitor import FP8Monitor, MonitorConfig
 from fp8.quant import dequantize_1x128, quantize_1x128, quantize_1x128_ref
-from tests.fp8.test_fp8_linear import run
-from tests.runtime.test_config import CONF
+from tests.helpers import compose_cfg, run
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,34 +160,33 @@ WATCHED = "layers.0.attention.dense"
 
 
 def compose_run(steps: int, extra: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[
-            "+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "precision=fp8",
-            f"train.steps={steps}", "train.seq_len=32", "model.num_layers=2", "train.save_every=2",
-            "train.keep_last=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
-            "optim.warmup_steps=1", "fp8.health_every=2", "fp8.monitor.fallback=true",
-            "fp8.monitor.thresholds.act.underflow=0.5", "fp8.monitor.thresholds.weight.underflow=null",
-            "fp8.monitor.thresholds.grad.underflow=null", "fp8.monitor.thresholds.gradT.underflow=null", *extra])
+    return compose_cfg([
+        "+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "precision=fp8",
+        f"train.steps={steps}", "train.seq_len=32", "model.num_layers=2", "train.save_every=2",
+        "train.keep_last=0", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+        "optim.warmup_steps=1", "fp8.health_every=2", "fp8.monitor.fallback=true",
+        "fp8.monitor.thresholds.act.underflow=0.5", "fp8.monitor.thresholds.weight.underflow=null",
+        "fp8.monitor.thresholds.grad.underflow=null", "fp8.monitor.thresholds.gradT.underflow=null", *extra])
 
 
-def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path):
     """One linear is fed underflowing inputs (a forward pre-hook, in every run alike); its alarm at the first
     sampled step switches it to high precision; a run resumed from a later checkpoint keeps it there and
     reproduces the uninterrupted run's losses exactly."""
     import ling.train.trainer as trainer
+    from ling.train.engine import build_engine
 
     models = []
-    real_build = trainer.build_engine
 
     def build(*a, **k):
-        engine, sched = real_build(*a, **k)
+        engine, sched = build_engine(*a, **k)
         layer = engine.module.get_submodule(WATCHED)
         layer.register_forward_pre_hook(lambda m, args: (args[0] * underflowing_input(1, args[0].shape[-1]),))
         models.append(engine.module)
         return engine, sched
 
-    monkeypatch.setattr(trainer, "build_engine", build)
-    trainer.train(compose_run(6, ["train.resume=none"]), run_dir=tmp_path / "straight")
+    trainer.train(compose_run(6, ["train.resume=none"]), run_dir=tmp_path / "straight", build_engine=build)
     straight = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     log_lines = (tmp_path / "straight" / "train.log").read_text().splitlines()
     alarms = [line for line in log_lines if "FP8 health alarm" in line]
@@ -209,7 +206,7 @@ def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path, monkeypatc
 
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step00000004",
                     resumed_dir / "checkpoints" / "step00000004")
-    trainer.train(compose_run(6, ["train.resume=auto"]), run_dir=resumed_dir)
+    trainer.train(compose_run(6, ["train.resume=auto"]), run_dir=resumed_dir, build_engine=build)
     assert not models[1].get_submodule(WATCHED).use_fp8
     resumed = [json.loads(line) for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [5, 6]

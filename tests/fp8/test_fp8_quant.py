@@ -4,12 +4,11 @@ cast fixed by the `triton_interpreter` fixture); the `gpu` variants run the comp
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from fp8.quant import (
+    QUANT_TUNING,
     dequantize_1x128,
     e4m3_code_distance,
     fp8_transpose_128x128,
@@ -22,26 +21,9 @@ from fp8.quant import (
     quantize_128x128,
     quantize_128x128_ref,
 )
+from tests.helpers import DEVICES, bits_equal, setup_device
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SHAPES = [(200, 300), (128, 256), (7, 129), (1, 1)]
-
-
-def setup_device(device: str, request) -> None:
-    """CPU: run kernels in the interpreter, which needs its float32->e4m3 cast fixed (triton #8322)."""
-    if device == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-        request.getfixturevalue("triton_interpreter")
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == torch.float8_e4m3fn:  # bit-exact, except that any NaN encoding (0x7F / 0xFF) is NaN
-        a, b = a.cpu(), b.cpu()
-        nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-        bits_a, bits_b = a.view(torch.uint8).masked_fill(nan_a, 0), b.view(torch.uint8).masked_fill(nan_b, 0)
-        return torch.equal(nan_a, nan_b) and torch.equal(bits_a, bits_b)
-    return torch.equal(a.cpu(), b.cpu()) or torch.equal(a.cpu().nan_to_num(), b.cpu().nan_to_num())
 
 
 def rand(m: int, k: int, device: str, dtype=torch.bfloat16) -> torch.Tensor:
@@ -91,28 +73,25 @@ def test_quantize_128x128_bit_exact(device, shape, pow2, request):
     ],
     ids=["default", "f64-w8", "f128"],
 )
-def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request, monkeypatch):
+def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request):
     setup_device(device, request)
-    from fp8 import quant
-
-    for key, val in opts.items():  # launch variants must not change a single bit
-        monkeypatch.setitem(quant.QUANT_OPTIONS, key, val)
     x = rand(*shape, device)
-    qt, st = quantize_1x128_transposed(x, None, pow2, backend="triton")
-    qtr, str_ = quantize_1x128_transposed_ref(x.cpu(), None, pow2)
-    assert qt.shape == (shape[1], shape[0]) and st.shape == (shape[1], -(-shape[0] // 128))
-    assert bits_equal(qt, qtr) and bits_equal(st, str_)
-    # same thing as quantizing a materialised transpose
-    q2, s2 = quantize_1x128_ref(x.cpu().t().contiguous(), pow2)
-    assert bits_equal(qt, q2) and bits_equal(st, s2)
-    # from the FP8 x (the wgrad path): dequantize in registers, re-quantize along tokens
-    xq, xs = quantize_1x128(x, pow2, backend="triton")
-    qt, st = quantize_1x128_transposed(xq, xs, pow2, backend="triton")
-    qtr, str_ = quantize_1x128_transposed_ref(xq.cpu(), xs.cpu(), pow2)
-    assert bits_equal(qt, qtr) and bits_equal(st, str_)
-    outs = quantize_1x128_dual(x, pow2, backend="triton")
-    refs = quantize_1x128_dual(x.cpu(), pow2, backend="torch")
-    assert all(bits_equal(a, b) for a, b in zip(outs, refs))
+    with QUANT_TUNING.override(**opts):  # launch variants must not change a single bit
+        qt, st = quantize_1x128_transposed(x, None, pow2, backend="triton")
+        qtr, str_ = quantize_1x128_transposed_ref(x.cpu(), None, pow2)
+        assert qt.shape == (shape[1], shape[0]) and st.shape == (shape[1], -(-shape[0] // 128))
+        assert bits_equal(qt, qtr) and bits_equal(st, str_)
+        # same thing as quantizing a materialised transpose
+        q2, s2 = quantize_1x128_ref(x.cpu().t().contiguous(), pow2)
+        assert bits_equal(qt, q2) and bits_equal(st, s2)
+        # from the FP8 x (the wgrad path): dequantize in registers, re-quantize along tokens
+        xq, xs = quantize_1x128(x, pow2, backend="triton")
+        qt, st = quantize_1x128_transposed(xq, xs, pow2, backend="triton")
+        qtr, str_ = quantize_1x128_transposed_ref(xq.cpu(), xs.cpu(), pow2)
+        assert bits_equal(qt, qtr) and bits_equal(st, str_)
+        outs = quantize_1x128_dual(x, pow2, backend="triton")
+        refs = quantize_1x128_dual(x.cpu(), pow2, backend="torch")
+        assert all(bits_equal(a, b) for a, b in zip(outs, refs))
 
 
 def test_scale_definition():

@@ -23,7 +23,7 @@ from fp8.quant import (
     quantize_128x128,
     quantize_128x128_ref,
 )
-from tests.fp8.test_fp8_quant import DEVICES, setup_device
+from tests.helpers import DEVICES, setup_device
 
 CODES = torch.arange(128, dtype=torch.uint8)  # non-negative codes; 0x7F is NaN
 VALUES = CODES.view(torch.float8_e4m3fn).double()

@@ -8,26 +8,24 @@ from hydra import compose, initialize_config_dir
 
 from fp8.linear import FP8Linear
 from fp8.quant import quantize_128x128
+from ling.train.engine import build_engine
 from ling.train.trainer import train
-from tests.runtime.test_config import CONF
+from tests.helpers import CONF
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
-def test_fp8_weight_cache_is_refreshed_after_each_deepspeed_step(stage, tmp_path, monkeypatch):
+def test_fp8_weight_cache_is_refreshed_after_each_deepspeed_step(stage, tmp_path):
     """ZeRO-1/2 copy the updated weights in through `.data` (no autograd version bump): a stale cache would
     silently freeze every FP8 linear. After training, each cache must equal a fresh quantization."""
-    import ling.train.trainer as trainer
-
     engines = []
-    real_build = trainer.build_engine
-    monkeypatch.setattr(trainer, "build_engine", lambda *a, **k: engines.append(real_build(*a, **k)) or engines[-1])
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "+exp=tiny_cpu", "data=synthetic", "precision=fp8", f"deepspeed=zero{stage}", "train.steps=3",
             "train.seq_len=32", "model.num_layers=2", "logging.wandb.mode=disabled", "logging.progress_bar=false",
             "train.save_final=false", "optim.warmup_steps=1", "optim.lr=1e-2", "train.resume=none",
             "fp8.health_every=2"])
-    metrics = train(cfg, run_dir=tmp_path)
+    metrics = train(cfg, run_dir=tmp_path, build_engine=lambda *a: engines.append(build_engine(*a)) or engines[-1])
     # health is sampled on steps 0 and 2 (every 2): the last step's metrics carry it, per layer and averaged
     assert 0.0 <= metrics["fp8/mean/act_underflow"] <= 1.0
     assert 0.0 <= metrics["fp8/mean/gradT_distortion"] <= 1.0
@@ -82,6 +80,7 @@ def _losses(tmp_path, stage: int, cache: bool, monkeypatch) -> list[tuple[float,
     return [(r["loss"], r["grad_norm"]) for r in recs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_weight_cache_changes_nothing_under_every_zero_stage_with_grad_accumulation(stage, tmp_path, monkeypatch):
     """grad_accum 2, FP8 linears and experts, FP8AdamW: the cached FP8 weights (reused by the second micro-batch,

@@ -168,6 +168,7 @@ def compiled_runs():
     return runs, graphs, dict(counters["graph_break"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_tiny_model_compiled_matches_eager(compiled_runs, recompute):
     out, grads, counts = compiled_runs[0][recompute]
@@ -180,6 +181,7 @@ def test_tiny_model_compiled_matches_eager(compiled_runs, recompute):
         assert close(grads[name], g), (name, float((grads[name] - g).abs().max() / g.abs().max()))
 
 
+@pytest.mark.slow
 def test_one_graph_per_shape_serves_every_layer_without_graph_breaks(compiled_runs):
     """3 decoder layers + 1 MTP layer: 10 RMSNorms, 4 attention cores, 3 routers and dispatch plans — each
     function compiled once (the SwiGLU twice: the dense MLP's and the shared expert's widths), and the

@@ -106,6 +106,7 @@ def test_padding_changes_no_bit_of_the_output_or_any_gradient(precision):
     assert torch.equal(unpadded.router.tokens_per_expert, padded.router.tokens_per_expert)  # loads unpadded
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter on CPU")
 def test_fp8_kernels_padding_bit_identical_and_match_the_reference(triton_interpreter, monkeypatch):
     """The Triton kernels (interpreter) with and without padding: bit-identical; against the torch reference:

@@ -11,9 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fp8.grouped import quantize_expert_weights
+from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
+from fp8.quant import quantize_128x128
 from model.config import ModelConfig
 from model.layers import RMSNorm, RotaryEmbedding, apply_rotary, document_block_mask
 from model.ling import IGNORE_INDEX, LingForCausalLM, count_parameters, shift_left
+from model.moe import GroupedExperts
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -36,6 +40,33 @@ def test_causality_changing_token_t_changes_no_earlier_logit():
     assert (a.logits[:, t] - b.logits[:, t]).abs().max() > 1e-2
     # MTP depth 1 at position p reads token p+1, so positions < t-1 are untouched
     torch.testing.assert_close(a.mtp_logits[0][:, : t - 1], b.mtp_logits[0][:, : t - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_invalidating_the_fp8_weight_caches_requantizes_every_fp8_weight_of_the_model():
+    """DeepSpeed writes updated weights through `.data` (no autograd version bump): the caches keep the stale FP8
+    weights until `invalidate_fp8_weight_caches(model)`, which reaches the FP8Linears and the grouped experts."""
+    torch.manual_seed(0)
+    model = LingForCausalLM(tiny(precision="fp8"))
+    linears = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    assert linears and experts
+
+    def cached():
+        return ([lin.quantized_weight()[0] for lin in linears]
+                + [e._gate_up_fp8.get(e.gate_up_proj)[0] for e in experts]
+                + [e._down_fp8.get(e.down_proj)[0] for e in experts])
+
+    before = cached()
+    assert all(a is b for a, b in zip(before, cached()))  # reused while the weights are unchanged
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(torch.randn_like(p))  # behind autograd's back
+    assert all(a is b for a, b in zip(before, cached()))  # stale until invalidated
+    invalidate_fp8_weight_caches(model)
+    fresh = ([quantize_128x128(lin.weight.detach())[0] for lin in linears]
+             + [quantize_expert_weights(e.gate_up_proj.detach())[0] for e in experts]
+             + [quantize_expert_weights(e.down_proj.detach())[0] for e in experts])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cached(), fresh))
 
 
 def test_mtp_labels_are_main_labels_shifted_one_more_and_row_end_masked():
@@ -130,6 +161,7 @@ def test_rmsnorm_computes_in_fp32_and_casts_before_gain():
     assert torch.equal(norm(x), norm.weight * ref)
 
 
+@pytest.mark.slow
 def test_overfits_a_fixed_small_batch():
     # near-zero losses give denormal gradients, which are ~50x slower on CPU: flush them for this test.
     # One thread: with two, the MoE dispatch's backward (an index_put with accumulate over repeated token ids)

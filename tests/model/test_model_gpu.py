@@ -9,6 +9,7 @@ import torch
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 from model.moe import GroupedExperts
+from tests.helpers import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -42,9 +43,6 @@ def test_grouped_mm_experts_match_segment_loop_forward_and_backward():
 
     # bf16 operands and outputs vs fp32: elementwise errors are bf16 roundings (2^-8 relative) of values that
     # can be large sums over 200 tokens, so compare relative to the tensor norm (~0.3% measured scale)
-    def rel(a, b):
-        return float((a.float() - b).norm() / b.norm())
-
     assert rel(grouped, ref) < 1e-2
     for g, r in zip(g_grads, r_grads):
         assert rel(g, r) < 1e-2
@@ -113,7 +111,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_flex_document_attention_fused_loss_and_recompute_match_the_reference_paths_in_bf16(moe):
-    """bf16 on GPU: every fast path against today's (dense mask, materialised logits, no recompute)."""
+    """bf16 on GPU: every fast path against the plain one (dense mask, materialised logits, no recompute)."""
     cfg = ModelConfig.preset("tiny", vocab_size=4096) if moe else _dense_tiny()
     ref_loss, ref_grads = _loss_and_grads(cfg.replace(document_attention="dense"), return_logits=True)
     variants = {"flex": _loss_and_grads(cfg.replace(document_attention="flex"), return_logits=True),

@@ -9,12 +9,9 @@ import torch
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 from model.moe import MoE
+from tests.helpers import rel
 
 pytestmark = pytest.mark.gpu
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def moe_config(**kw) -> ModelConfig:

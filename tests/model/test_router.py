@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model.config import ModelConfig
@@ -64,6 +65,7 @@ def test_bias_changes_selection_but_not_gate_values():
     torch.testing.assert_close(after.topk_weight, chosen / chosen.sum(-1, keepdim=True) * 2.5)
 
 
+@pytest.mark.slow
 def test_bias_update_moves_toward_balance_and_keeps_zero_mean():
     router = ling_router(3)
     with torch.no_grad():

@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels.interpreter import fixed_fp8_cast
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 from model.moe import MoE
+from tests.helpers import compose_cfg
 
 
 def init_dist() -> tuple[int, int]:
@@ -142,13 +144,10 @@ def train_runs(specs: list[dict], rank: int) -> dict:
     "digests" a Trainer that fits and reports a hash of each expert stack on every rank."""
     import hashlib
 
-    from hydra import compose, initialize_config_dir
-
     from ling.checkpoint import store as checkpoint
     from ling.train.preemption import StopSignals
     from ling.train.trainer import Trainer, train
 
-    root = Path(__file__).resolve().parents[2]
     out = {}
     for spec in specs:
         run_dir = Path(spec["dir"])
@@ -156,8 +155,7 @@ def train_runs(specs: list[dict], rank: int) -> dict:
             src = Path(spec["resume_copy"])
             shutil.copytree(src, run_dir / "checkpoints" / src.name)
         dist.barrier()
-        with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=spec["overrides"])
+        cfg = compose_cfg(spec["overrides"])
         if not (spec.get("resave_to") or spec.get("digests")):
             train(cfg, run_dir)
             continue
@@ -194,8 +192,6 @@ def main() -> None:
                 results[(precision, pad, False)] = check_layer(precision, pad, False, rank, world)
         results[("fp8", True, True)] = check_layer("fp8", True, True, rank, world)
         if os.environ.get("TRITON_INTERPRET") == "1":
-            from tests.triton_cpu import fixed_fp8_cast
-
             os.environ["LING_FP8_BACKEND"] = "triton"
             with fixed_fp8_cast():
                 # fewer experts: the interpreter's cost grows with the kernels' tile count, not with the tokens

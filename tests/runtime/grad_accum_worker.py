@@ -3,7 +3,7 @@ gradient the optimizer receives against the float64 mean over ranks of the sum o
 gradients (tests/runtime/test_grad_accum.py). Rank 0 prints one JSON line per case: {"case": "2:fp32",
 "optimizer": class
 name, "rel_err": ||seen - ref|| / ||ref||, "digest": sha256 of the seen gradient's bytes}; on several ranks the
-error is rank 0's partition's. Engines come from ling.train.engine.initialize_engine (the trainer's), or with
+error is rank 0's partition's. Engines come from ling.train.deepspeed_compat.initialize_engine (the trainer's), or with
 `:stock` from plain deepspeed.initialize.
 
     python tests/runtime/grad_accum_worker.py 2:fp32 2:null 3:fp32      # ZeRO stage : deepspeed.grad_accum_dtype
@@ -41,7 +41,8 @@ def run_case(stage: int, accum: str | None, fp32_communication: bool = False, st
     import deepspeed
     from omegaconf import OmegaConf
 
-    from ling.train.engine import deepspeed_config, initialize_engine
+    from ling.train.deepspeed_compat import initialize_engine
+    from ling.train.engine import deepspeed_config
 
     cfg = OmegaConf.create({"train": {"micro_batch_size": 1, "grad_accum": MICRO_BATCHES},
                             "optim": {"grad_clip": 0.0},
@@ -53,7 +54,7 @@ def run_case(stage: int, accum: str | None, fp32_communication: bool = False, st
     twin.load_state_dict(model.state_dict())
     opt = RecordGradient(model.parameters())
     conf = deepspeed_config(cfg, use_bf16=True)
-    if stock:  # DeepSpeed's own classes, without ling.train.engine's substitutions
+    if stock:  # DeepSpeed's own classes, without ling.train.deepspeed_compat's substitutions
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
     else:  # the trainer's engine
         engine, *_ = initialize_engine(model, opt, conf)
@@ -85,7 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="+", help="STAGE:DTYPE[:fp32_comm][:stock], DTYPE one of fp32, bf16, null; "
                     "fp32_comm sets deepspeed.extra.communication_data_type=fp32; stock builds the engine with plain "
-                    "deepspeed.initialize instead of ling.train.engine.initialize_engine")
+                    "deepspeed.initialize instead of ling.train.deepspeed_compat.initialize_engine")
     args = ap.parse_args()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)

@@ -10,8 +10,7 @@ import json
 
 import pytest
 
-from tests.runtime.test_config import compose_cfg
-from tests.runtime.test_train_loop import COMMON, metrics_of, same_losses
+from tests.helpers import COMMON, compose_cfg, metrics_of, same_losses
 
 BASE = ["train.steps=8", "train.eval_every=0"]
 FP8_ADAM = ["optim=fp8_adamw", "optim.min_fp8_numel=0"]
@@ -48,6 +47,7 @@ def close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * abs(b)
 
 
+@pytest.mark.slow
 def test_a_branch_in_the_same_recipe_is_the_trunk_bit_for_bit_and_stops_at_stop_at(trunk):
     root, full = trunk
     metrics, log = branch(root, "same", str(root / "trunk" / "checkpoints" / "step00000003"), 6, [])
@@ -57,6 +57,7 @@ def test_a_branch_in_the_same_recipe_is_the_trunk_bit_for_bit_and_stops_at_stop_
     assert sorted(p.name for p in (root / "same" / "checkpoints").glob("step*")) == ["step00000006"]
 
 
+@pytest.mark.slow
 def test_a_branch_into_fp8_adam_converts_the_moments(trunk):
     """AdamW → FP8AdamW: step 4's forward uses step 3's weights, so its loss and gradient are the trunk's exactly;
     from step 5 on the update differs by the E4M3 rounding of the moments (measured 1e-5 relative on the losses;
@@ -78,6 +79,7 @@ def test_a_branch_into_fp8_adam_converts_the_moments(trunk):
     assert close(fp8[0]["loss"], full[3]["loss"], 1e-2) and fp8[0]["loss"] != full[3]["loss"]  # FP8's forward
 
 
+@pytest.mark.slow
 def test_a_branch_into_fp8_adam_with_an_ablated_moment_keeps_it_in_fp32(trunk):
     """fp8.ablate=[adam_v] on a branch of an AdamW run: the converted state keeps v in fp32, so from step 5 on the
     branch differs from the recipe's branch (before the fix both were E4M3 and the runs bit-identical: the
@@ -91,6 +93,7 @@ def test_a_branch_into_fp8_adam_with_an_ablated_moment_keeps_it_in_fp32(trunk):
     assert ablated[1]["loss"] != recipe[1]["loss"] and close(ablated[1]["loss"], recipe[1]["loss"], 1e-3)
 
 
+@pytest.mark.slow
 def test_a_branch_from_past_stop_at_is_refused(trunk):
     root, _ = trunk
     with pytest.raises(ValueError, match="train.stop_at=5: the run resumes at step 8"):  # its newest checkpoint

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -15,14 +13,9 @@ from ling.config import model_config_from
 from ling.train.engine import build_optimizer
 from ling.train.launch import strip_local_rank_arg
 from model.config import PRESETS, ModelConfig
+from tests.helpers import CONF, compose_cfg
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml"))
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 @pytest.mark.parametrize("exp", EXPERIMENTS)
@@ -114,12 +107,3 @@ def test_fp8_adamw_with_elastic_checkpoint_is_refused_up_front():
     cfg = compose_cfg(["+exp=tiny_cpu", "optim=fp8_adamw", "+deepspeed.zero_extra.elastic_checkpoint=true"])
     with pytest.raises(ValueError, match="elastic_checkpoint"):
         build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
-
-
-def test_the_config_knows_the_expert_wgrad_modes_the_kernels_offer():
-    """model/config.py keeps its own copy of fp8.grouped.EXPERT_WGRAD (the config module imports nothing of the
-    project); the two must name the same modes."""
-    from fp8.grouped import EXPERT_WGRAD as KERNELS
-    from model.config import EXPERT_WGRAD as CONFIG
-
-    assert CONFIG == KERNELS

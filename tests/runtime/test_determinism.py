@@ -9,48 +9,46 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from ling.train.determinism import deterministic_mode
-from tests.runtime.test_config import CONF
+from tests.helpers import compose_cfg
 
+EVAL_BATCHES = 2
 COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1",
-          "model.num_layers=2", "train.eval_every=2", "train.eval_batches=2", "train.save_final=false",
+          "model.num_layers=2", "train.eval_every=2", f"train.eval_batches={EVAL_BATCHES}", "train.save_final=false",
           "logging.wandb.mode=disabled", "logging.progress_bar=false", "optim.warmup_steps=1", "train.resume=none"]
 
 
 def compose_run(extra: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[*COMMON, *extra])
+    return compose_cfg([*COMMON, *extra])
 
 
-def train_twice(tmp_path, monkeypatch, extra: list[str]):
+def train_twice(tmp_path, extra: list[str]):
     """Two runs of one config; returns their metrics lines, final weights and the batches each validation
-    read, and checks that deterministic mode was on inside the run."""
+    read (the model's eval-mode forwards, `train.eval_batches` per validation), and checks that deterministic
+    mode was on inside the run."""
     import ling.train.trainer as trainer
+    from ling.train.engine import build_engine
 
     engines, seen = [], []
-    real_build, real_evaluate = trainer.build_engine, trainer.evaluate
+
+    def record_validation_batch(module, args):
+        if not module.training:  # validation (ling.analysis.evaluate); training forwards run in train mode
+            seen.append(args[0].clone())
 
     def build(*a, **k):
         assert torch.are_deterministic_algorithms_enabled()  # entered before the model and engine are built
-        engines.append(real_build(*a, **k))
+        engines.append(build_engine(*a, **k))
+        engines[-1][0].module.register_forward_pre_hook(record_validation_batch)
         return engines[-1]
 
-    def evaluate(model, batches, device, **kw):
-        batches = list(batches)
-        seen.append([b["input_ids"].clone() for b in batches])
-        return real_evaluate(model, batches, device, **kw)
-
-    monkeypatch.setattr(trainer, "build_engine", build)
-    monkeypatch.setattr(trainer, "evaluate", evaluate)
     runs = []
     for name in ("a", "b"):
         seen.clear()
-        trainer.train(compose_run(extra), run_dir=tmp_path / name)
+        trainer.train(compose_run(extra), run_dir=tmp_path / name, build_engine=build)
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         weights = {k: v.detach().cpu().clone() for k, v in engines[-1][0].module.state_dict().items()}
-        runs.append((lines, weights, list(seen)))
+        runs.append((lines, weights, [seen[i:i + EVAL_BATCHES] for i in range(0, len(seen), EVAL_BATCHES)]))
     return runs
 
 
@@ -62,9 +60,10 @@ def check_bit_identical(runs) -> None:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_two_runs_are_bit_identical_and_validate_on_the_same_batches(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_two_runs_are_bit_identical_and_validate_on_the_same_batches(tmp_path):
     """FP8 linears and FP8AdamW (its stochastic rounding included); on CPU."""
-    runs = train_twice(tmp_path, monkeypatch, ["train.steps=3", "precision=fp8", "optim=fp8_adamw"])
+    runs = train_twice(tmp_path, ["train.steps=3", "precision=fp8", "optim=fp8_adamw"])
     check_bit_identical(runs)
     for _, _, seen in runs:  # validations at steps 2 and 3 (the end): the same held-out batches, the same order
         assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(seen[0], seen[1]))
@@ -91,8 +90,8 @@ def test_deterministic_mode_sets_and_restores_the_switches(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("extra", [[], ["data.document_mask=true"], ["precision=fp8", "optim=fp8_adamw"]],
                          ids=["bf16-sdpa", "bf16-flex", "fp8"])
-def test_gpu_rerun_is_bit_identical(extra, tmp_path, monkeypatch):
+def test_gpu_rerun_is_bit_identical(extra, tmp_path):
     """On CUDA: SDPA (flash) or FlexAttention backward, cuBLAS, DeepSpeed bf16, the MoE's grouped GEMMs and
     our FP8 kernels; two runs of 6 steps must agree bit for bit (losses, grad norms, weights)."""
-    runs = train_twice(tmp_path, monkeypatch, ["train.steps=6", "train.device=cuda", *extra])
+    runs = train_twice(tmp_path, ["train.steps=6", "train.device=cuda", *extra])
     check_bit_identical(runs)

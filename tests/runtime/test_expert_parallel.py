@@ -22,15 +22,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from kernels.interpreter import interpreter_available
 from ling.checkpoint.reshard import SavedZeroState
 from ling.checkpoint.store import read_expert_shards, verify
 from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
 from ling.config import model_config_from
+from ling.ranks import free_port
 from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
-from tests.runtime.test_train_loop import COMMON, free_port, metrics_of
+from tests.helpers import COMMON, ROOT, metrics_of
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "runtime" / "ep_worker.py"
 STEPS = 6
 RUN = [*COMMON, f"train.steps={STEPS}", "train.micro_batch_size=2", "train.save_every=3", "train.keep_last=0"]
@@ -206,8 +207,6 @@ def test_layer_split_over_two_ranks_is_bit_identical_to_the_whole_layer(tmp_path
     """Routed experts (output, input and gate gradients, every expert gradient) for fp32 and FP8 experts, with and
     without padding, a rank receiving no rows, and (Triton interpreter) the FP8 kernels; initial weights and HF
     import; see tests/runtime/ep_worker.py."""
-    from tests.triton_cpu import interpreter_available
-
     ranks = launch(2, "layer", tmp_path / "layer.pt", interpret=interpreter_available())
     for rank, found in enumerate(ranks):
         assert len([k for k in found if isinstance(k, tuple)]) == 5 and ("triton" in found) == interpreter_available()
@@ -240,7 +239,8 @@ def test_four_ranks_ep2_experts_differ_across_ep_ranks_and_match_on_replicas(tmp
 
 def test_ep_size_must_divide_the_experts_and_the_world_and_needs_zero_1_or_2():
     cfg = OmegaConf.create({"model": {"preset": "tiny", "vocab_size": 64}, "moe": {"ep_size": 3},
-                            "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "pow2_scales": False}})
+                            "precision": {"name": "bf16"}, "fp8": {"recipe": "blockwise", "pow2_scales": False,
+                                                                       "expert_wgrad": "fp8"}})
     with pytest.raises(ValueError, match=r"moe.ep_size=3 must be a positive divisor of model.num_experts=16"):
         model_config_from(cfg, None)
     cfg.moe.ep_size = 4

@@ -14,20 +14,20 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from ling.ranks import free_port
 from ling.train.engine import deepspeed_config
-from tests.fp8.test_fp8_adam_deepspeed import free_port
+from tests.helpers import ROOT
 
 pytest.importorskip("deepspeed")
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "runtime" / "grad_accum_worker.py"
 
 
+@pytest.mark.slow
 def test_fp32_accumulation_is_exact_and_bf16_is_not():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, str(WORKER), "2:fp32", "3:fp32", "2:null",
@@ -42,11 +42,12 @@ def test_fp32_accumulation_is_exact_and_bf16_is_not():
     assert got["3:fp32"]["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
     # ZeRO-1 + fp32 is DeepSpeed's BF16_Optimizer; exact only because ling/train/engine.py makes it communicate in fp32
     assert got["1:fp32"]["optimizer"] == "LeanBF16Optimizer" and got["1:null"]["optimizer"] == "DeepSpeedZeroOptimizer"
-    # ling.engine's lean hook (a mixed-dtype in-place add) sums the same bits as DeepSpeed's own (cast, then add)
+    # the lean hook (ling/train/deepspeed_compat.py: a mixed-dtype in-place add) sums the same bits as DeepSpeed's own
     assert got["1:fp32:stock"]["optimizer"] == "BF16_Optimizer"
     assert got["1:fp32"]["digest"] == got["1:fp32:stock"]["digest"], got
 
 
+@pytest.mark.slow
 def test_across_two_ranks_zero1_fp32_is_exact_and_zero2_rounds_each_micro_batch_mean_to_bf16():
     """Data parallel over 2 ranks, each its own micro-batches: ZeRO-1 + fp32 (DeepSpeed's BF16_Optimizer) sums
     in fp32 and all-reduces the sums once in fp32 (ling/train/engine.py sets communication_data_type); ZeRO-2 + fp32

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from ling.checkpoint import hf
+from ling.ranks import free_port
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 # small, but every mechanism: a dense layer, MoE layers, a shared expert, MTP; dims not all multiples of 128
 SMALL = ModelConfig.preset("tiny", vocab_size=320, num_layers=3, num_experts=8, num_expert_groups=4,
                            topk_groups=2, num_experts_per_tok=2, expert_intermediate_size=96,
@@ -361,8 +362,6 @@ def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path)
 def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    from tests.runtime.test_train_loop import free_port
-
     launch = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"] \
         if nproc > 1 else []
     cmd = [sys.executable, *launch, "train.py", "+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512",
@@ -372,6 +371,7 @@ def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+@pytest.mark.slow
 def test_cli_export_and_train_init_from(tmp_path):
     """train 2 steps → `python -m ling.checkpoint.hf export` → train.init_from with lr 0: the new run's weights are
     exactly the exported ones (so init_from loaded every tensor)."""

@@ -14,6 +14,7 @@ import torch
 from ling.checkpoint import store as checkpoint
 from ling.checkpoint.layout import MANIFEST, tag_for
 from ling.checkpoint.store import newest_verified, rotate, verify
+from tests.helpers import overwrite_4k
 
 
 class ShardWriter:
@@ -39,17 +40,6 @@ def save_steps(ckpt_dir: Path, steps, keep_last: int = 0, engine: ShardWriter | 
     for s in steps:
         checkpoint.save(engine, ckpt_dir, s, {"loader": {"consumed": 4 * s}}, keep_last)
     return engine
-
-
-def overwrite_4k(path: Path) -> None:
-    """4 KiB of other bytes inside the file, size unchanged (what only a checksum sees)."""
-    size = path.stat().st_size
-    with open(path, "r+b") as f:
-        f.seek(size // 2 - 2048)
-        old = f.read(4096)
-        f.seek(size // 2 - 2048)
-        f.write(bytes(b ^ 0x5A for b in old))
-    assert path.stat().st_size == size
 
 
 DAMAGE = {

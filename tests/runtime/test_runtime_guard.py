@@ -14,7 +14,7 @@ from ling.train.engine import build_engine
 from ling.train.guard import NonFiniteGuard, check_engine_can_skip
 from ling.train.preemption import StopSignals
 from ling.train.trainer import Trainer
-from tests.runtime.test_config import compose_cfg
+from tests.helpers import compose_cfg
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "train.seq_len=32",
         "model.num_layers=2", "train.micro_batch_size=2", "logging.wandb.mode=disabled",

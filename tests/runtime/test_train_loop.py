@@ -9,7 +9,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,20 +17,11 @@ from pathlib import Path
 import pytest
 
 from ling.checkpoint.store import verify
+from ling.ranks import free_port
 from ling.train.rundir import RunDirLock
-from tests.runtime.test_runtime_checkpoint import overwrite_4k
+from tests.helpers import COMMON, ROOT, metrics_of, overwrite_4k, same_losses
 
-ROOT = Path(__file__).resolve().parents[2]
-COMMON = ["+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "logging.wandb.mode=disabled",
-          "logging.progress_bar=false", "train.seq_len=32",
-          "optim.warmup_steps=2", "model.num_layers=2", "data.vocab_size=512"]
 STEPS = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(run_dir: Path, nproc: int, overrides: list[str], common: list[str] = COMMON) -> list[str]:
@@ -45,11 +35,6 @@ def train_env() -> dict[str, str]:
     return env
 
 
-def metrics_of(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def run_train(run_dir: Path, nproc: int, overrides: list[str], expect_rc: int | None = 0, common: list[str] = COMMON):
     """Run train.py under torchrun; returns (metrics lines, the completed process). torchrun itself exits 1
     when a worker fails; `expect_rc` is the worker's exit code, which torchrun reports."""
@@ -60,12 +45,6 @@ def run_train(run_dir: Path, nproc: int, overrides: list[str], expect_rc: int | 
     elif expect_rc is not None:
         assert proc.returncode != 0 and re.search(rf"exitcode\s*:\s*{expect_rc}\b", proc.stderr), proc.stderr[-5000:]
     return metrics_of(run_dir), proc
-
-
-def same_losses(a: list[dict], b: list[dict]) -> None:
-    assert [m["step"] for m in a] == [m["step"] for m in b]
-    for x, y in zip(a, b):
-        assert (x["loss"], x["grad_norm"], x["lr"]) == (y["loss"], y["grad_norm"], y["lr"]), (x, y)
 
 
 def wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 300) -> None:
@@ -251,6 +230,7 @@ def test_text_run_validates_summarises_and_logs_the_data_warnings(tmp_path):
     assert "completed at step 4/4" in log and "val loss" in log and "checkpoint " in log
 
 
+@pytest.mark.slow
 def test_bad_override_fails_with_the_key_in_the_message(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "train.py", "+exp=tiny_cpu", "train.stepz=3", f"hydra.run.dir={tmp_path}"],

@@ -1,0 +1,50 @@
+"""Triton building blocks shared by the FP8 kernels of fp8/quant.py, fp8/gemm.py and fp8/grouped.py: a block's
+scale from its amax, the pointers to B's scales, and the per-K-block promotion of a partial product.
+
+Defined only when Triton imports (`kernels.backend.HAS_TRITON`: import them under the same condition); they are
+`@triton.jit` functions, callable from kernels only.
+"""
+
+from __future__ import annotations
+
+from kernels.backend import HAS_TRITON, tl, triton
+
+__all__ = ["b_scale_ptrs", "promote", "scale_from_amax_tl"]
+
+if HAS_TRITON:
+
+    @triton.jit
+    def scale_from_amax_tl(amax, nan_count, POW2: tl.constexpr):
+        """Kernel twin of `fp8.quant.scale_from_amax` (NaN handled explicitly: max/min instructions drop NaN)."""
+        amax = tl.maximum(amax, 4.48e-10)  # fp8.format.OPERAND_AMAX_FLOOR (1e-12 * 448), as an fp32 literal
+        amax = tl.where(nan_count > 0, float("nan"), amax)
+        scale = tl.math.div_rn(amax, 448.0)
+        if POW2:
+            bits = scale.to(tl.int32, bitcast=True)
+            exp_bits = bits & 0x7F800000
+            rounded = tl.where((bits & 0x7FFFFF) != 0, exp_bits + (1 << 23), bits)
+            bits = tl.where(exp_bits == 0x7F800000, bits, rounded)
+            scale = bits.to(tl.float32, bitcast=True)
+        return scale
+
+    @triton.jit
+    def b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pointers to B's scales of K block 0: one scalar per tile (128x128 blocks, BLOCK_N == 128), one per
+        128 columns (128x128 blocks, wider tiles) or one per column (1x128 rows)."""
+        if B_BLOCKWISE and BLOCK_N == 128:
+            return bs_ptr + pid_n * stride_bsn
+        elif B_BLOCKWISE:
+            return bs_ptr + (offs_bn // 128) * stride_bsn
+        else:
+            return bs_ptr + offs_bn * stride_bsn
+
+    @triton.jit
+    def promote(acc, part, sa, sb, SB_SCALAR: tl.constexpr):
+        """acc += part · sa · sb in fp32: the product of one 128-wide K block, computed into a fresh accumulator
+        on the tensor cores, scaled by its row scales sa [BLOCK_M] and B scales sb (scalar or [BLOCK_N]).
+        With a scalar sb, sa·sb is folded first (one FMA per element); otherwise two multiplies per element
+        but no [BLOCK_M, BLOCK_N] outer product of the scales held in registers."""
+        if SB_SCALAR:
+            return acc + part * (sa * sb)[:, None]
+        else:
+            return acc + (part * sa[:, None]) * sb[None, :]

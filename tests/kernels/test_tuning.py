@@ -1,0 +1,53 @@
+"""`kernels.tuning.Tuning`: a launch config's default, its interpreter default, and overrides that are scoped to
+their `with` block (nested, undone on an exception, invisible to other threads)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from kernels.tuning import Tuning
+
+
+@dataclass(frozen=True)
+class Cfg:
+    a: int = 1
+    b: int = 2
+
+
+def test_override_is_scoped_nested_and_undone_on_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tuning = Tuning("test", Cfg(), interpreter=Cfg(9, 9))
+    assert tuning.current() == Cfg(1, 2)
+    with tuning.override(a=3) as cfg:
+        assert cfg == tuning.current() == Cfg(3, 2)
+        with tuning.override(b=4):
+            assert tuning.current() == Cfg(3, 4)
+        assert tuning.current() == Cfg(3, 2)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(tuning.current()))
+        thread.start()
+        thread.join()
+        assert seen == [Cfg(1, 2)]  # another thread keeps the default
+    assert tuning.current() == Cfg(1, 2)
+    with pytest.raises(RuntimeError, match="inside"):
+        with tuning.override(Cfg(5, 5)):
+            raise RuntimeError("inside")
+    assert tuning.current() == Cfg(1, 2)
+    with pytest.raises(TypeError):
+        with tuning.override(c=1):
+            pass
+    assert tuning.current() == Cfg(1, 2)
+
+
+def test_the_interpreter_default_applies_under_the_interpreter_and_an_override_still_wins(monkeypatch):
+    tuning = Tuning("test", Cfg(), interpreter=Cfg(9, 9))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tuning.current() == Cfg(9, 9)
+    with tuning.override(a=0):
+        assert tuning.current() == Cfg(0, 9)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert tuning.current() == Cfg(1, 2)
+    assert Tuning("plain", Cfg(7, 7)).current() == Cfg(7, 7)
