@@ -1,13 +1,12 @@
-"""Checkpoint bytes off the training thread: DeepSpeed's state dicts captured at save time as host copies (the
+"""Checkpoint bytes off the training thread: a checkpoint's state dicts copied to host memory at save time (the
 only wait training sees), then written, and hashed as they are written, by a background thread.
 
-DeepSpeed's `engine.save_checkpoint` hands every file it writes to its checkpoint engine as
-`save(state_dict, path)` (`deepspeed.runtime.checkpoint_engine`; checked on DeepSpeed 0.19.8: the module states,
-the ZeRO 1-3 optimizer shards and the BF16_Optimizer's all go through it). For the call, `capturing` puts a
-`CapturingCheckpointEngine` in its place: each state dict is copied into host memory (`snapshot`) and kept with
-its path instead of being written. DeepSpeed's file names and layout stay as they are (resume, reshard and
-zero_to_fp32 read them). `write_entries` then writes the kept (path, state) pairs with torch.save through
-`HashingFile`, so each file's size and sha256 are known when its last byte is on disk, without a second read.
+DeepSpeed's `engine.save_checkpoint` hands every file it writes to its checkpoint engine; for the call,
+`ling.train.deepspeed_compat.captured_save` puts one in its place that passes each (state dict, path) on
+instead of writing it, and ling/checkpoint/store.py keeps a `snapshot` of each: DeepSpeed's file names and layout
+stay as they are (resume, reshard and zero_to_fp32 read them). `write_entries` then writes the kept (path, state)
+pairs with torch.save through `HashingFile`, so each file's size and sha256 are known when its last byte is on
+disk, without a second read.
 
 Host copies are taken into `HostBuffers`, kept from one save to the next: for tensors on a GPU the buffers are
 page-locked once (cudaHostRegister, exact sizes), so that from the second save on the copies run at full PCIe
@@ -21,13 +20,11 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from ling.files import HashingFile
 
@@ -165,61 +162,13 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------- DeepSpeed's checkpoint engine
-class CapturingCheckpointEngine(CheckpointEngine):
-    """A DeepSpeed checkpoint engine that writes nothing: `save(state_dict, path)` keeps (path, host snapshot)
-    in `entries`. It copies every tensor itself, so DeepSpeed need not clone them first
-    (`preserves_storage_sharing` False). `buffers=None` (a probe): keeps the state dicts themselves, makes no
-    directory, copies nothing."""
-
-    def __init__(self, buffers: HostBuffers | None) -> None:
-        super().__init__()
-        self.name = "CapturingCheckpointEngine"
-        self.buffers = buffers
-        self.entries: list[tuple[Path, Any]] = []
-
-    def create(self, info) -> None:
-        pass
-
-    def makedirs(self, path, exist_ok=False) -> None:
-        if self.buffers is not None:
-            super().makedirs(path, exist_ok=exist_ok)
-
-    def save(self, state_dict, path: str) -> None:
-        self.entries.append((Path(path), state_dict if self.buffers is None else snapshot(state_dict, self.buffers)))
-
-    def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=False)
-
-    def commit(self, info) -> bool:
-        return True
-
-    def preserves_storage_sharing(self) -> bool:
-        return False
-
-
-@contextlib.contextmanager
-def capturing(engine, capture: CapturingCheckpointEngine) -> Iterator[None]:
-    """`engine.checkpoint_engine` is `capture` for the block (engines without one, e.g. test stand-ins that
-    write their own files, are left alone)."""
-    if not hasattr(engine, "checkpoint_engine"):
-        yield
-        return
-    saved = engine.checkpoint_engine
-    engine.checkpoint_engine = capture
-    try:
-        yield
-    finally:
-        engine.checkpoint_engine = saved
-
-
+# ------------------------------------------------------------------------------------------------------ writing
 def synchronize() -> None:
     """Wait for the device → host copies of a snapshot (a no-op without CUDA)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
-# ------------------------------------------------------------------------------------------------------ writing
 def write_entries(entries: list[tuple[Path, Any]], folder: Path, faults: SaveFaults = SaveFaults()
                   ) -> dict[str, dict[str, Any]]:
     """torch.save each (path, state) (paths inside `folder`) through a HashingFile; returns {name relative to

@@ -49,10 +49,8 @@ from ling.checkpoint.layout import (
 from ling.checkpoint.reshard import load_resharded
 from ling.checkpoint.snapshot import (
     BackgroundWrite,
-    CapturingCheckpointEngine,
     HostBuffers,
     SaveFaults,
-    capturing,
     snapshot,
     synchronize,
     tensor_bytes,
@@ -60,6 +58,7 @@ from ling.checkpoint.snapshot import (
 )
 from ling.files import atomic_write, sha256_file
 from ling.ranks import all_gather, barrier, broadcast, rank_world
+from ling.train.deepspeed_compat import captured_save
 
 log = logging.getLogger(__name__)
 FILE_OVERHEAD = 1 << 20  # bytes per file beyond its tensors' (pickle, zip records, alignment): a generous bound
@@ -197,10 +196,9 @@ class Checkpointer:
         if not (self.async_save and torch.cuda.is_available()) or self._preparing is not None:
             return
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        probe = CapturingCheckpointEngine(buffers=None)
-        with capturing(engine, probe):
+        states: list[Any] = []
+        with captured_save(engine, lambda state, path: states.append(state), make_dirs=False):
             engine.save_checkpoint(str(self.ckpt_dir), tag="probe" + PARTIAL, save_latest=False)
-        states = [state for _, state in probe.entries]
         layout = expert_layout(engine)
         if layout["ep_size"] > 1 and layout["edp_rank"] == 0:
             states.append(dict(engine.module.expert_parameters()))
@@ -225,10 +223,9 @@ class Checkpointer:
         barrier()
         t0 = time.perf_counter()
         self.buffers.begin()
-        capture = CapturingCheckpointEngine(self.buffers)
-        with capturing(engine, capture):
+        entries: list[tuple[Path, Any]] = []
+        with captured_save(engine, lambda state, path: entries.append((path, snapshot(state, self.buffers)))):
             engine.save_checkpoint(str(self.ckpt_dir), tag=partial.name, save_latest=False)
-        entries = capture.entries
         layout = expert_layout(engine)
         if layout["ep_size"] > 1 and layout["edp_rank"] == 0:  # the first rank holding these experts
             name = EXPERT_SHARD.format(ep_rank=layout["ep_rank"], ep_size=layout["ep_size"])

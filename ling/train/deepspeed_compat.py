@@ -1,6 +1,7 @@
 """Everything this project changes in DeepSpeed, in one place: the subclasses of DeepSpeed classes, the swap of
-the two names `deepspeed.initialize` builds them under, the calls of DeepSpeed's private groups API, and the
-start-up check that the installed DeepSpeed is one these were checked on. Each override says what DeepSpeed
+the two names `deepspeed.initialize` builds them under, the checkpoint engine a save is captured through
+(`captured_save`), the calls of DeepSpeed's private groups API, and the start-up check that the installed
+DeepSpeed is one these were checked on. Each override says what DeepSpeed
 lacks; all were checked on DeepSpeed 0.19.8 (`TESTED_DEEPSPEED`; tests/runtime/test_deepspeed_compat.py fails
 when DeepSpeed's behaviour under one of them changes).
 
@@ -26,14 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 from deepspeed.runtime import engine as ds_engine_module
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import groups as ds_groups
 from torch import nn
@@ -136,6 +140,54 @@ class ExpertParallelEngine(DeepSpeedEngine):
             self.has_moe_layers = False
 
 
+class CapturingCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed checkpoint engine that writes nothing: `save(state_dict, path)` hands the state dict and its
+    path to `keep` (which must copy what it keeps: the tensors are the live ones), and DeepSpeed need not clone
+    the tensors first (`preserves_storage_sharing` False). `make_dirs` False (a probe): no directory either.
+
+    What DeepSpeed lacks (0.19.8): a way to take a checkpoint's state dicts without writing them. Its engines
+    (torch, fast, decoupled, DataStates) all write, the asynchronous ones in processes and layouts of their own,
+    while `engine.save_checkpoint` hands every file's state dict to `engine.checkpoint_engine.save`: the module
+    states, the ZeRO 1-3 optimizer shards and the BF16_Optimizer's."""
+
+    def __init__(self, keep: Callable[[Any, Path], None], make_dirs: bool = True) -> None:
+        super().__init__()
+        self.name = "CapturingCheckpointEngine"
+        self.keep, self.make_dirs = keep, make_dirs
+
+    def create(self, info) -> None:
+        pass
+
+    def makedirs(self, path, exist_ok=False) -> None:
+        if self.make_dirs:
+            os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path: str) -> None:
+        self.keep(state_dict, Path(path))
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def captured_save(engine: Any, keep: Callable[[Any, Path], None], make_dirs: bool = True) -> Iterator[None]:
+    """Inside the block `engine.save_checkpoint` hands each file's state dict to `keep(state_dict, path)` instead
+    of writing it (CapturingCheckpointEngine in `engine.checkpoint_engine`, DeepSpeed's own put back after). An
+    engine without a checkpoint engine (a test's stand-in that writes its own files) is left alone."""
+    if not hasattr(engine, "checkpoint_engine"):
+        yield
+        return
+    capture = CapturingCheckpointEngine(keep, make_dirs)
+    with substituted(engine, "checkpoint_engine", engine.checkpoint_engine, capture):
+        yield
+
+
 # ----------------------------------------------------------------------------- the private groups API
 def expert_group_name(ep_size: int) -> str:
     """DeepSpeed's name of the expert-(data-)parallel groups of size `ep_size` (also the MoE params' group_name)."""
@@ -164,6 +216,14 @@ OVERRIDDEN: tuple[tuple[Any, str, tuple[str, ...]], ...] = (
     (BF16_Optimizer, "_update_hp_grad", ("self", "lp", "group_idx", "param_idx", "clear_lp_grads")),
     (ds_groups, "_create_expert_and_data_parallel", ("expert_parallel_size_",)),
     (ds_groups, "_get_expert_parallel_group", ("group_name",)),
+    # CapturingCheckpointEngine implements DeepSpeed's checkpoint-engine interface; save_checkpoint calls it
+    (CheckpointEngine, "create", ("self", "info")),
+    (CheckpointEngine, "save", ("self", "state_dict", "path")),
+    (CheckpointEngine, "makedirs", ("self", "path", "exist_ok")),
+    (CheckpointEngine, "load", ("self", "path", "map_location")),
+    (CheckpointEngine, "commit", ("self", "info")),
+    (CheckpointEngine, "preserves_storage_sharing", ("self",)),
+    (DeepSpeedEngine, "save_checkpoint", ("self", "save_dir", "tag", "client_state", "save_latest")),
 )
 # (owner, name, the class it must hold): the names `project_classes` swaps
 SWAPPED: tuple[tuple[Any, str, type], ...] = (

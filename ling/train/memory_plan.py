@@ -21,12 +21,16 @@ measured peaks (torch's max_memory_allocated) of the e64 proxy in docs/runtime_s
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from ling.config import model_config_from
 from ling.train.launch import StopRun
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
@@ -136,10 +140,17 @@ def activation_bytes_per_token(model: ModelConfig, element: int, tokens: int, fp
     dense = norm + _saved_input(H, fp8, a) + mlp(model.dense_intermediate_size)
     k, e_inter = model.num_experts_per_tok, model.expert_intermediate_size
     pad = model.moe_pad_multiple if model.pad_for_fp8_resolved else 1
-    rows = k + model.num_experts * (pad - 1) / max(tokens, 1)  # expert rows per token (routing-map padding)
+    tokens = max(tokens, 1)
+    experts = model.num_local_experts
+    bound = -(-(tokens * k + experts * (pad - 1)) // 16) * 16  # the dispatch plan's static row count M
+    rows = bound / tokens  # expert rows per token (routing-map padding included)
     if fp8 and fp8_experts:
-        wgrad = H * (1 + 4 / FP8_BLOCK) if model.fp8_expert_wgrad == "fp8" else H * a / rows  # bf16: x itself
-        routed = rows * (2 * e_inter * (1 + 4 / FP8_BLOCK) + 4 + 4 + wgrad) + 4 * k  # FP8 h, gate, row_src; pos
+        if model.fp8_expert_wgrad == "fp8":  # xᵀ in E4M3, each expert's tokens in whole 128-blocks (a static bound)
+            blocks = -(-bound // FP8_BLOCK) + experts
+            wgrad = blocks * FP8_BLOCK * H * (1 + 4 / FP8_BLOCK) / tokens
+        else:
+            wgrad = H * a  # bf16: x itself
+        routed = rows * (2 * e_inter * (1 + 4 / FP8_BLOCK) + 4 + 4) + wgrad + 4 * k  # FP8 h, gate, row_src; pos
     else:  # bf16 grouped GEMMs: gathered rows, gate_up output, silu(g) and silu(g)·u, down's input; fp32 gates
         routed = rows * (a * (H + 5 * e_inter) + 4)
     shared_inter = e_inter * model.num_shared_experts
@@ -317,13 +328,6 @@ def data_vocab_size(cfg: DictConfig) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m ling.train.memory_plan [--world N] [--gpu-gib G] +exp=fp8_mtp [key=value ...]`: the plan of a
     run (the config as train.py composes it), and on a GPU of G GiB what would fit when it does not."""
-    import argparse
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-
-    from ling.config import model_config_from
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--world", type=int, default=1, help="ranks (GPUs) the run would use")
     parser.add_argument("--gpu-gib", type=float, default=None, help="memory of one GPU (default: this one's)")

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ling.checkpoint.layout import step_of
@@ -121,8 +122,6 @@ HYDRA_FILES = ".hydra"  # Hydra's own folder name for them
 def write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """Hydra's record of the run, `.hydra/{config,hydra,overrides}.yaml`, as Hydra would write it; rank 0, under
     the lock. A no-op outside a Hydra app (a test calling train() itself)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()

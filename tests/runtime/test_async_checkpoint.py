@@ -68,6 +68,7 @@ def test_a_snapshot_is_a_copy_with_a_storage_per_tensor():
     assert torch.equal(copy["list"][0], torch.arange(0, 1000, 100, dtype=torch.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [True, False])
 def test_the_checkpoint_holds_the_state_at_the_snapshot_while_training_goes_on(tmp_path, async_save):
     """A real DeepSpeed engine (ZeRO-2, CPU): the save starts at step 1, the writer is slowed down, training takes
@@ -96,6 +97,7 @@ def test_the_checkpoint_holds_the_state_at_the_snapshot_while_training_goes_on(t
     saver.close()
 
 
+@pytest.mark.slow
 def test_one_save_in_flight_the_next_waits_for_it(tmp_path):
     engine = engine_for(["deepspeed=zero2"])
     saver = Checkpointer(tmp_path, keep_last=0, faults=SaveFaults(delay_s=0.2))
@@ -108,6 +110,7 @@ def test_one_save_in_flight_the_next_waits_for_it(tmp_path):
     assert (tmp_path / "latest").read_text() == tag_for(2)
 
 
+@pytest.mark.slow
 def test_a_write_that_runs_out_of_space_removes_its_folder_and_keeps_the_previous_checkpoint(tmp_path):
     engine = engine_for(["deepspeed=zero2"])
     Checkpointer(tmp_path, keep_last=2).start(engine, 1, {}).write.join()  # written, but never committed

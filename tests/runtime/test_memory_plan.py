@@ -17,7 +17,7 @@ from ling.train.memory_plan import (
     plan_memory,
 )
 from model.config import ModelConfig
-from tests.runtime.test_config import compose_cfg
+from tests.helpers import compose_cfg
 
 TINY_PARAMETERS = (8192 * 128  # embedding
                    + (49216 + 256 + 147456)  # dense layer: attention (qkv 256x128, dense 128x128, qk norms), norms, MLP
@@ -97,14 +97,15 @@ def test_the_flagship_on_one_gpu_is_refused_naming_what_would_fit():
 
 def test_recomputation_and_expert_parallelism_shrink_the_plan_where_they_should():
     base = e64_setup("fp8", 4)
-    none = plan_for(base).parts
-    full = plan_for(base.replace(model=base.model.replace(recompute="full"))).parts
-    selective = plan_for(base.replace(model=base.model.replace(recompute="selective"))).parts
+    split = ParameterSplit.of(base.model)
+    none = plan_for(base, split).parts
+    full = plan_for(base.replace(model=base.model.replace(recompute="full")), split).parts
+    selective = plan_for(base.replace(model=base.model.replace(recompute="selective")), split).parts
     assert full["activations"] < selective["activations"] < none["activations"]
     assert {k: v for k, v in full.items() if k != "activations"} == {
         k: v for k, v in none.items() if k != "activations"}
-    ep = plan_for(base.replace(world=8, model=base.model.replace(ep_size=8))).parts
-    dp = plan_for(base.replace(world=8)).parts
+    ep = plan_for(base.replace(world=8, model=base.model.replace(ep_size=8)), split).parts
+    dp = plan_for(base.replace(world=8), split).parts
     assert ep["weights"] < dp["weights"] and ep["master weights"] == dp["master weights"]
 
 

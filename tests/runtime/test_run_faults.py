@@ -18,8 +18,9 @@ import pytest
 
 from ling.checkpoint.store import verify
 from ling.train.rundir import RunDirLock
+from tests.helpers import COMMON, ROOT, metrics_of, same_losses
 from tests.runtime.test_async_checkpoint import small_tmpfs
-from tests.runtime.test_train_loop import COMMON, ROOT, metrics_of, run_train, same_losses, torchrun, train_env
+from tests.runtime.test_train_loop import run_train, torchrun, train_env
 
 BASE = ["train.steps=8", "train.micro_batch_size=4", "train.save_every=2"]
 
