@@ -57,6 +57,7 @@ class StopSignals:
         self._previous: dict[int, object] = {}
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._parent: int | None = None  # the launcher's pid, when watched
 
     @property
     def name(self) -> str:
@@ -68,10 +69,13 @@ class StopSignals:
         return f"{self.name} ({self.reason})" if self.reason else self.name
 
     def agree(self, signum: int) -> None:
-        """Adopt the stop the ranks agreed on (another rank's signal, learnt through the step's all-reduce)."""
+        """Adopt the stop the ranks agreed on (another rank's signal, learnt through the step's all-reduce); a
+        SIGHUP gets its reason when this rank's launcher is gone too (another rank's watcher noticed first)."""
         if self.signum != signum:
             self.signum = signum
             self._first_at = self._first_at or time.monotonic()
+        if signum == signal.SIGHUP and not self.reason and self._parent is not None and os.getppid() != self._parent:
+            self.reason = f"the launcher, pid {self._parent}, exited"
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
@@ -94,7 +98,8 @@ class StopSignals:
                 continue  # nohup: a hang-up is meant to pass
             self._previous[sig] = signal.signal(sig, self._handle)
         if self.watch_parent:
-            self._watcher = threading.Thread(target=self._watch, args=(os.getppid(),), name="launcher-watch",
+            self._parent = os.getppid()
+            self._watcher = threading.Thread(target=self._watch, args=(self._parent,), name="launcher-watch",
                                              daemon=True)
             self._watcher.start()
         return self

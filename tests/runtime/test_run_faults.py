@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ling.checkpoint.store import verify
+from ling.train.preemption import StopSignals
 from ling.train.rundir import RunDirLock
 from tests.helpers import COMMON, ROOT, metrics_of, same_losses
 from tests.runtime.test_async_checkpoint import small_tmpfs
@@ -244,6 +245,42 @@ def test_a_refused_run_writes_nothing_into_the_busy_run_dir(tmp_path):
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after.keys() == before.keys()
     assert all(after[p] == before[p] for p in before if p.name != ".lock")
+
+
+WATCHED_CHILD = """
+import sys, time
+from ling.train.preemption import StopSignals
+with StopSignals(watch_parent=True, poll_s=0.05) as stop:
+    open(sys.argv[1], "w").write("ready")
+    t0 = time.monotonic()
+    while stop.signum is None and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    open(sys.argv[1] + ".tmp", "w").write(stop.description)
+"""
+LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(300)
+"""
+
+
+@pytest.mark.slow
+def test_a_watched_worker_stops_as_on_sighup_when_its_launcher_dies(tmp_path):
+    flag = tmp_path / "state"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WATCHED_CHILD, str(flag)], cwd=ROOT, env=train_env())
+    wait_for(lambda: flag.exists(), launcher, what="the worker to start")
+    launcher.kill()
+    launcher.wait()
+    done = tmp_path / "state.tmp"
+    wait_for(lambda: done.exists() and done.read_text(), timeout=60, what="the worker to notice")
+    assert done.read_text() == f"SIGHUP (the launcher, pid {launcher.pid}, exited)"
+
+
+def test_every_rank_adopts_the_stop_another_rank_received():
+    stop = StopSignals(watch_parent=False)
+    assert stop.signum is None and stop.name == ""
+    stop.agree(signal.SIGTERM)
+    assert stop.signum == signal.SIGTERM and stop.description == "SIGTERM"
 
 
 @pytest.mark.slow
