@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +65,7 @@ def test_single_file_export_and_bf16_weights_into_an_fp32_model(tmp_path):
     out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf")  # default: bf16, one file
     assert (out / hf.SINGLE_FILE).is_file() and not (out / hf.INDEX_FILE).exists()
     conf = json.loads((out / "config.json").read_text())
-    assert conf["torch_dtype"] == "bfloat16" and conf["model_type"] == "bailing_moe"
+    assert conf["dtype"] == "bfloat16" and conf["model_type"] == "bailing_moe"
     with hf.HFReader(out) as r:
         assert r.dtype("model.layers.1.mlp.experts.0.gate_proj.weight") == "BF16"
         assert r.dtype("model.layers.1.mlp.gate.expert_bias") == "F32"  # the bias buffer stays fp32
@@ -241,12 +240,10 @@ def test_bad_folders(tmp_path):
 
 
 def test_failed_export_leaves_no_folder(tmp_path, monkeypatch):
-    import safetensors.torch
-
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(hf, "save_file", boom)  # the name hf.py calls
     with pytest.raises(OSError, match="disk full"):
         hf.save_hf(random_model().state_dict(), SMALL, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
@@ -342,9 +339,8 @@ def _reference_dir() -> Path | None:
 def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = random_model()
-    out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf", dtype=torch.float32, max_shard_size="300KB")
-    for f in ("modeling_bailing_moe_v2.py", "configuration_bailing_moe_v2.py"):
-        shutil.copyfile(_reference_dir() / f, out / f)
+    out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf", dtype=torch.float32, max_shard_size="300KB",
+                     modeling_code=_reference_dir())
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), trust_remote_code=True, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
