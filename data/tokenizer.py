@@ -139,7 +139,8 @@ def tokenizer_json_from_sentencepiece(model_path: str) -> str:
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
     unsupported = [what for what, bad in (
-        (f"model_type {trainer.model_type} (BPE is {sentencepiece_model_pb2.TrainerSpec.BPE})",
+        # unigram: tokenizers' lattice would also weigh the control pieces, which sentencepiece never considers
+        (f"model_type {sentencepiece_model_pb2.TrainerSpec.ModelType.Name(trainer.model_type)} (BPE only)",
          trainer.model_type != sentencepiece_model_pb2.TrainerSpec.BPE),
         (f"normalization {norm.name!r} (identity only)", bool(norm.precompiled_charsmap)),
         ("remove_extra_whitespaces", norm.remove_extra_whitespaces),

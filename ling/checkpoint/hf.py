@@ -68,10 +68,11 @@ class HFCheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ config
-# What the reference uses for a config.json field that is absent: BailingMoeV2Config.__init__'s defaults
-# (inclusionAI/Ling-V2, models/configuration_bailing_moe_v2.py), which its save_pretrained leaves out of the file
-# whenever a value equals them; and for partial_rotary_factor, which that class does not define, the fallback of
-# the modeling code (models/modeling_bailing_moe_v2.py, BailingMoeV2Attention, and transformers' default RoPE: 1.0).
+# What the reference uses for a config.json field that is absent (a hand-written or trimmed file, another tool's):
+# BailingMoeV2Config.__init__'s defaults (inclusionAI/Ling-V2, models/configuration_bailing_moe_v2.py); and for
+# partial_rotary_factor, which that class does not define (its save_pretrained writes it only when it was given),
+# the fallback of the modeling code (models/modeling_bailing_moe_v2.py, BailingMoeV2Attention, and transformers'
+# default RoPE: 1.0). Its save_pretrained writes no model_type (the class sets none).
 REFERENCE_DEFAULTS: dict[str, Any] = {
     "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
     "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "use_qkv_bias": False,
