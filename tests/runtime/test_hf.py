@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -707,3 +708,29 @@ def test_reference_defaults_equal_what_the_reference_config_class_reads(tmp_path
     filled = hf.reference_config(written)
     assert all(filled[k] == v for k, v in REFERENCE_CONFIG_DEFAULTS.items())
     assert hf.model_config_from_hf(written).rotary_fraction == 1.0
+
+
+def test_export_ships_the_runs_tokenizer_without_loading_its_corpus(tmp_path):
+    """Issue #28 item 7: the run keeps a copy of its tokenizer; the export takes it from there (the corpus and the
+    data cache are gone here: loading the corpus again would fail)."""
+    from tests.runtime.test_train_loop import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    data = ["data=files", f"data.sources=[{{path: {corpus}}}]", "data.tokenizer.vocab_size=320",
+            "data.tokenizer.train_chars=200000", f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1",
+            "data.val_fraction=0.1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "train.py", "+exp=tiny_cpu", *data, "logging.wandb.mode=disabled",
+           "logging.progress_bar=false", "train.seq_len=32", "train.micro_batch_size=2", "model.num_layers=2",
+           "train.steps=1", "train.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kept = tmp_path / "run" / "tokenizer" / "tokenizer.model"
+    assert kept.is_file()
+    corpus.unlink()
+    shutil.rmtree(tmp_path / "cache")
+    export = _cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == kept.read_bytes()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
