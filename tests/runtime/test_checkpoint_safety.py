@@ -45,7 +45,7 @@ def plant(path: Path, marker: Path, key: str | None = None) -> None:
     if key is None:
         obj = {"module": Payload(marker)}
     else:
-        obj = torch.load(path, map_location="cpu", weights_only=False)  # our own trusted file (test setup)
+        obj = load_pt(path)
         obj[key] = Payload(marker)
     torch.save(obj, path)
 

@@ -340,21 +340,29 @@ def _reference_dir() -> Path | None:
 
 @pytest.mark.skipif(_reference_dir() is None, reason="set LING_REFERENCE_DIR to a folder with the reference "
                     "modeling_bailing_moe_v2.py + configuration_bailing_moe_v2.py (inclusionAI/Ling-V2 models/)")
-def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path):
+@pytest.mark.parametrize("mtp", [0, 1, 2])
+def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path, mtp):
     transformers = pytest.importorskip("transformers")
-    model = random_model()
-    out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf", dtype=torch.float32, max_shard_size="300KB",
+    config = SMALL.replace(num_mtp_layers=mtp)
+    model = random_model(config)
+    out = hf.save_hf(model.state_dict(), config, tmp_path / "hf", dtype=torch.float32, max_shard_size="300KB",
                      modeling_code=_reference_dir())
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), trust_remote_code=True, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert ref.mtp_loss_scaling_factor * max(mtp, 1) == pytest.approx(config.mtp_loss_weight)
     ref.eval()
-    ids = torch.randint(0, SMALL.vocab_size, (2, 20))
+    ids = torch.randint(0, config.vocab_size, (2, 20))
     with torch.no_grad():
         ours, theirs = model(ids), ref(ids, use_cache=False)
+        # each depth's logits from the decoder's MTP hidden states: with 2+ depths the reference's CausalLM forward
+        # re-binds its list of them to depth 1's tensor and indexes that (modeling_bailing_moe_v2.py)
+        depths = [ref.lm_head(h).float() for h in ref.model(ids, use_cache=False).mtp_hidden_states or []]
     # fp32; different op order (eager softmax vs SDPA, expert loop order): rounding-level differences only
     torch.testing.assert_close(theirs.logits, ours.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(theirs.mtp_logits[0], ours.mtp_logits[0], rtol=1e-5, atol=1e-5)
+    assert len(depths) == len(ours.mtp_logits or []) == mtp
+    for a, b in zip(depths, ours.mtp_logits or []):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ train.py
