@@ -20,6 +20,10 @@ import datasets
 import numpy as np
 import sentencepiece as spm
 from filelock import FileLock
+from sentencepiece import sentencepiece_model_pb2
+from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
 
 from data.config import DataError, TokenizerConfig
 
@@ -62,8 +66,6 @@ class Tokenizer:
         self.unk_id = int(self.sp.unk_id())
 
     def _load_hf(self) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
         try:
             self.hf = HFTokenizer.from_file(self.model_path)
         except Exception as e:  # the Rust library raises its own exception type
@@ -115,6 +117,65 @@ def _hf_special_tokens(folder: str) -> dict[str, str]:
             if isinstance(tok, str):
                 out.setdefault(kind, tok)
     return out
+
+
+SPIECE = "\u2581"  # sentencepiece's whitespace symbol
+
+
+def tokenizer_json_from_sentencepiece(model_path: str) -> str:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library) that encodes exactly as the sentencepiece BPE
+    model at `model_path` does, ids and pieces, for the models this project trains (identity normalisation,
+    whitespace kept, dummy prefix, single-character user symbols such as "\\n", byte fallback).
+
+    The same steps as sentencepiece: spaces become ▁ and one ▁ is put in front of the text; the text is cut into
+    words where sentencepiece cuts (before each run of ▁); each word is merged pair by pair, the pair whose merge
+    has the best score first (sentencepiece's scores rank the merges); characters outside the vocabulary fall
+    back to their UTF-8 bytes. Control pieces (<s>, </s>, <pad>) are never produced from text, as in
+    sentencepiece: literal "<s>" in a text is encoded as characters. Raises DataError for a model it cannot
+    reproduce exactly (another model type or normalisation, multi-character user symbols)."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
+    unsupported = [what for what, bad in (
+        # unigram: tokenizers' lattice would also weigh the control pieces, which sentencepiece never considers
+        (f"model_type {sentencepiece_model_pb2.TrainerSpec.ModelType.Name(trainer.model_type)} (BPE only)",
+         trainer.model_type != sentencepiece_model_pb2.TrainerSpec.BPE),
+        (f"normalization {norm.name!r} (identity only)", bool(norm.precompiled_charsmap)),
+        ("remove_extra_whitespaces", norm.remove_extra_whitespaces),
+        ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
+        ("escape_whitespaces=false", not norm.escape_whitespaces),
+        ("multi-character user_defined_symbols", any(p.type == kinds.USER_DEFINED and len(p.piece) > 1
+                                                     for p in proto.pieces)),
+    ) if bad]
+    if unsupported:
+        raise DataError(f"tokenizer {model_path!r}: no exact tokenizer.json for a sentencepiece model with "
+                        + ", ".join(unsupported))
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    mergeable = {p.piece for p in proto.pieces if p.type in (kinds.NORMAL, kinds.USER_DEFINED)}
+    merges = []
+    for i, p in enumerate(proto.pieces):
+        if p.type != kinds.NORMAL or len(p.piece) < 2:
+            continue
+        splits = [(p.piece[:k], p.piece[k:]) for k in range(1, len(p.piece))]
+        splits = [(a, b) for a, b in splits if a in mergeable and b in mergeable]
+        merges += [(-p.score, i, vocab[a], vocab[b], a, b) for a, b in splits]
+    merges.sort()
+    unk = next((p.piece for p in proto.pieces if p.type == kinds.UNKNOWN), None)
+    tok = HFTokenizer(BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=unk,
+                          byte_fallback=trainer.byte_fallback, fuse_unk=True))
+    steps = [normalizers.Replace(" ", SPIECE)]
+    if norm.add_dummy_prefix:
+        steps.insert(0, normalizers.Prepend(SPIECE))
+    tok.normalizer = normalizers.Sequence(steps)
+    # sentencepiece's words: each starts at a ▁ (at the first ▁ of a run, when whitespace-only pieces are allowed)
+    word = f"{SPIECE}+[^{SPIECE}]*|[^{SPIECE}]+" if trainer.allow_whitespace_only_pieces \
+        else f"{SPIECE}[^{SPIECE}]*|[^{SPIECE}]+"
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(word), behavior="isolated")
+    strip = [decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace(SPIECE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return tok.to_str(pretty=True)
 
 
 def _training_sentences(ds: datasets.Dataset, cfg: TokenizerConfig, seed: int) -> list[str]:

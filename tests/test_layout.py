@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import ROOT
 
 PACKAGES = ("model", "fp8", "data", "ling", "kernels")  # the library; a package not (yet) there is skipped

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,14 +35,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from data.tokenizer import Tokenizer
+from data.config import DataError
+from data.tokenizer import Tokenizer, tokenizer_json_from_sentencepiece
 from fp8.quant import BLOCK, dequantize_128x128, quantize_128x128
+from ling.checkpoint.safe_load import UnsafeCheckpointError
 from ling.checkpoint.weights import find_checkpoint, name_list, read_model_state, run_tokenizer
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 
 MODEL_TYPE = "bailing_moe"
 ARCHITECTURE = "BailingMoeV2ForCausalLM"
+# the reference modeling code (inclusionAI/Ling-V2 models/, or the Ling-mini-2.0 model repository): not ours to
+# ship; `save_hf(modeling_code=DIR)` copies these two files from DIR and writes the auto_map that names them
+REFERENCE_CODE_FILES = ("configuration_bailing_moe_v2.py", "modeling_bailing_moe_v2.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_bailing_moe_v2.BailingMoeV2Config",
     "AutoModel": "modeling_bailing_moe_v2.BailingMoeV2Model",
@@ -50,6 +56,7 @@ AUTO_MAP = {
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 naming: `<linear>.weight_scale_inv`, dequantized = weight · scale_inv
+log = logging.getLogger(__name__)
 OWN_KEY = "ling_fp8"  # config.json sub-dict with our training-only settings (ignored by the reference)
 # linears stored in FP8 by `fp8=True` (as DeepSeek-V3 / Ling): attention, dense MLP, experts, shared experts.
 # Embeddings, LM head, norms, the router and MTP's eh_proj stay in high precision.
@@ -61,14 +68,35 @@ class HFCheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ config
+# What the reference uses for a config.json field that is absent (a hand-written or trimmed file, another tool's):
+# BailingMoeV2Config.__init__'s defaults (inclusionAI/Ling-V2, models/configuration_bailing_moe_v2.py); and for
+# partial_rotary_factor, which that class does not define (its save_pretrained writes it only when it was given),
+# the fallback of the modeling code (models/modeling_bailing_moe_v2.py, BailingMoeV2Attention, and transformers'
+# default RoPE: 1.0). Its save_pretrained writes no model_type (the class sets none).
+REFERENCE_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "use_qkv_bias": False,
+    "use_bias": False, "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "embedding_dropout": 0.0,
+    "attention_dropout": 0.0, "output_dropout": 0.0, "initializer_range": 0.02, "max_position_embeddings": 32768,
+    "rope_theta": 600000.0, "use_cache": True, "max_window_layers": 20, "rope_scaling": None,
+    "pad_token_id": 156892, "eos_token_id": 156892, "num_experts": 256, "num_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "moe_intermediate_size": 512,
+    "first_k_dense_replace": 1, "head_dim": 128, "output_router_logits": False, "use_qk_norm": True,
+    "num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": 0, "moe_router_enable_expert_bias": True,
+    "routed_scaling_factor": 1.0,
+    "partial_rotary_factor": 1.0,
+}
+MODEL_TYPES = (MODEL_TYPE, "bailing_moe_v2")
+
+
 def hf_config(config: ModelConfig, *, eos_token_id: int | None = None, pad_token_id: int | None = None,
               bos_token_id: int | None = None, max_position_embeddings: int = 32768,
-              torch_dtype: str = "bfloat16") -> dict[str, Any]:
-    """ModelConfig → config.json (BailingMoeV2Config field names, as in the published Ling-mini-2.0)."""
+              dtype: str = "bfloat16") -> dict[str, Any]:
+    """ModelConfig → config.json (BailingMoeV2Config field names, as in the published Ling-mini-2.0; every field
+    written, so the file reads the same whatever a reader's defaults are)."""
     c = config
     return {
         "architectures": [ARCHITECTURE],
-        "auto_map": dict(AUTO_MAP),
         "model_type": MODEL_TYPE,
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
@@ -106,14 +134,15 @@ def hf_config(config: ModelConfig, *, eos_token_id: int | None = None, pad_token
         "router_dtype": "fp32",
         "moe_router_enable_expert_bias": True,
         "num_nextn_predict_layers": c.num_mtp_layers,
-        "mtp_loss_scaling_factor": c.mtp_loss_weight,
+        # the reference adds factor × each depth's loss; we add weight × their mean
+        "mtp_loss_scaling_factor": c.mtp_loss_weight / c.num_mtp_layers if c.num_mtp_layers else c.mtp_loss_weight,
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
         "bos_token_id": bos_token_id,
         "use_cache": True,
-        "torch_dtype": torch_dtype,
+        "dtype": dtype,
         OWN_KEY: {"z_loss_coef": c.z_loss_coef, "aux_loss_coef": c.aux_loss_coef,
-                  "bias_update_rate": c.bias_update_rate},
+                  "bias_update_rate": c.bias_update_rate, "mtp_loss_weight": c.mtp_loss_weight},
     }
 
 
@@ -131,40 +160,86 @@ _MATH_FIELDS = {
     "num_experts_per_tok": "num_experts_per_tok", "n_group": "num_expert_groups", "topk_group": "topk_groups",
     "routed_scaling_factor": "routed_scaling_factor",
 }
+# settings the reference has and our model implements one value of: field → (accepted values, what ours does)
+_FIXED_SETTINGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu", "swish"), "SwiGLU MLPs and experts (silu)"),
+    "use_qkv_bias": ((False,), "no bias in query_key_value"),
+    "use_bias": ((False,), "no bias in the attention output"),
+    "use_qk_norm": ((True,), "RMSNorm on queries and keys"),
+    "tie_word_embeddings": ((False,), "a separate lm_head"),
+    "rope_scaling": ((None, {}), "plain RoPE (no scaling)"),
+    "score_function": (("sigmoid",), "sigmoid router scores"),
+}
 
 
-def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """config.json → ModelConfig (our training-only settings from its `ling_fp8` entry, else our defaults)."""
-    if hf.get("model_type") not in (MODEL_TYPE, "bailing_moe_v2"):
-        raise HFCheckpointError(f"config.json: model_type={hf.get('model_type')!r} is not BailingMoeV2 "
-                                f"({MODEL_TYPE!r})")
-    unsupported = {k: hf.get(k) for k, ok in (("use_qkv_bias", False), ("use_bias", False), ("use_qk_norm", True),
-                                              ("tie_word_embeddings", False), ("hidden_act", "silu"))
-                   if hf.get(k, ok) != ok}
-    if hf.get("score_function", "sigmoid") != "sigmoid" or hf.get("rope_scaling"):
-        unsupported.update(score_function=hf.get("score_function"), rope_scaling=hf.get("rope_scaling"))
-    if unsupported:
-        raise HFCheckpointError(f"config.json: settings our model does not implement: {unsupported}")
-    d: dict[str, Any] = {ours: hf[theirs] for theirs, ours in {**_SHAPE_FIELDS, **_MATH_FIELDS}.items()
-                         if theirs in hf}
-    d.setdefault("num_mtp_layers", 0)  # the reference's default
-    if "mtp_loss_scaling_factor" in hf:
-        d["mtp_loss_weight"] = hf["mtp_loss_scaling_factor"]
-    if "initializer_range" in hf:
-        d["init_std"] = hf["initializer_range"]
+def reference_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json with every absent field at the reference's value (REFERENCE_DEFAULTS); a null or 0 head_dim
+    is hidden_size // num_attention_heads, a null num_shared_experts none, as in the reference."""
+    filled = {**REFERENCE_DEFAULTS, "score_function": "sigmoid", **hf}
+    if not filled["head_dim"] and isinstance(filled["hidden_size"], int) \
+            and isinstance(filled["num_attention_heads"], int) and filled["num_attention_heads"] > 0:
+        filled["head_dim"] = filled["hidden_size"] // filled["num_attention_heads"]
+    if filled["num_shared_experts"] is None:
+        filled["num_shared_experts"] = 0
+    return filled
+
+
+def check_hf_config(hf: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """The one check of an HF config (`python -m ling.checkpoint.hf check`, eval.py, train.init_from): a
+    BailingMoeV2 config whose settings our model implements. A missing model_type (the reference's own
+    save_pretrained writes none) is fine when `architectures` says BailingMoeV2. Returns the config with the
+    reference's defaults filled in (`reference_config`); raises HFCheckpointError naming each field at fault."""
+    archs = hf.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else list(archs)
+    model_type = hf.get("model_type") or None
+    if archs and not any(str(a).startswith("BailingMoeV2") for a in archs):
+        raise HFCheckpointError(f"{source}: architectures={archs!r} is not BailingMoeV2 ({ARCHITECTURE!r})")
+    if model_type is not None and model_type not in MODEL_TYPES:
+        raise HFCheckpointError(f"{source}: model_type={model_type!r} is not BailingMoeV2 ({MODEL_TYPE!r})")
+    if not archs and model_type is None:
+        raise HFCheckpointError(f"{source}: neither model_type nor architectures says BailingMoeV2 "
+                                f"(expected architectures [{ARCHITECTURE!r}])")
+    filled = reference_config(hf)
+    problems = [f"{k}={filled[k]!r} (ours: {what})" for k, (ok, what) in _FIXED_SETTINGS.items()
+                if filled[k] not in ok]
+    numbers = [k for k in {**_SHAPE_FIELDS, **_MATH_FIELDS, "mtp_loss_scaling_factor": 0, "initializer_range": 0}
+               if not isinstance(filled[k], (int, float)) or isinstance(filled[k], bool)]
+    if "num_experts" in numbers and filled["num_experts"] is None:
+        numbers.remove("num_experts")
+        problems.append("num_experts=None (a dense model; ours is a mixture of experts)")
+    problems += [f"{k}={filled[k]!r} (expected a number)" for k in numbers]
+    if filled["num_experts_per_tok"] == 1:
+        problems.append("num_experts_per_tok=1 (the reference leaves a single expert's gate unnormalised; ours "
+                        "normalises the chosen gates to sum 1)")
+    if problems:
+        raise HFCheckpointError(f"{source}: settings our model does not implement: " + "; ".join(problems))
+    return filled
+
+
+def model_config_from_hf(hf: Mapping[str, Any], source: str = "config.json", **overrides: Any) -> ModelConfig:
+    """config.json → ModelConfig: absent fields take the reference's defaults; our training-only settings come
+    from its `ling_fp8` entry, else from the reference's mtp_loss_scaling_factor and our defaults."""
+    filled = check_hf_config(hf, source)
+    d: dict[str, Any] = {ours: filled[theirs] for theirs, ours in {**_SHAPE_FIELDS, **_MATH_FIELDS}.items()}
+    d["mtp_loss_weight"] = filled["mtp_loss_scaling_factor"] * max(d["num_mtp_layers"], 1)  # sum → mean
+    d["init_std"] = filled["initializer_range"]
     d.update(hf.get(OWN_KEY) or {})
     d.update(overrides)
-    return ModelConfig(**d)
+    try:
+        return ModelConfig(**d)
+    except ValueError as e:
+        raise HFCheckpointError(f"{source}: not a model ours can build: {e}") from e
 
 
 def config_differences(hf: Mapping[str, Any], config: ModelConfig) -> list[str]:
-    """The shape- and maths-relevant fields where config.json and `config` disagree, as readable lines."""
+    """The shape- and maths-relevant fields where config.json (absent fields at the reference's defaults) and
+    `config` disagree, as readable lines."""
+    filled = reference_config(hf)
     out = []
     for theirs, ours in {**_SHAPE_FIELDS, **_MATH_FIELDS}.items():
-        if theirs in hf and hf[theirs] != getattr(config, ours):
-            out.append(f"model.{ours}: checkpoint {theirs}={hf[theirs]!r}, model {getattr(config, ours)!r}")
-    if "num_nextn_predict_layers" not in hf and config.num_mtp_layers != 0:
-        out.append(f"model.num_mtp_layers: checkpoint has none, model {config.num_mtp_layers}")
+        if filled[theirs] != getattr(config, ours):
+            given = "" if theirs in hf else " (absent: the reference's default)"
+            out.append(f"model.{ours}: checkpoint {theirs}={filled[theirs]!r}{given}, model {getattr(config, ours)!r}")
     return out
 
 
@@ -315,16 +390,24 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor
 
 def save_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: str | os.PathLike, *,
             tokenizer: str | None = None, fp8: bool = False, dtype: torch.dtype | None = torch.bfloat16,
-            max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+            max_shard_size: str | int = "5GB", overwrite: bool = False,
+            modeling_code: str | os.PathLike | None = None) -> Path:
     """Write `state_dict` (ours, any device) as a BailingMoeV2 checkpoint into `out_dir`.
 
     dtype: the floating-point dtype of the stored tensors (None = keep each tensor's own dtype); fp8: the
     linears as E4M3 + `weight_scale_inv` (the rest in `dtype`). tokenizer: a sentencepiece `.model` or an HF
-    `tokenizer.json` to ship beside the weights. Written into a temporary sibling folder and renamed into
-    place, so `out_dir` is either the complete export or untouched."""
+    `tokenizer.json` to ship beside the weights. modeling_code: a folder with the reference's
+    REFERENCE_CODE_FILES, copied in with an `auto_map` naming them (for transformers' trust_remote_code); without
+    it config.json has no auto_map. Written into a temporary sibling folder and renamed into place, so `out_dir`
+    is either the complete export or untouched."""
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; choose a new folder or pass overwrite=True (--overwrite)")
+        raise FileExistsError(f"{out} exists: choose a new folder, or overwrite it (overwrite=True, --overwrite)")
+    code = [Path(modeling_code) / f for f in REFERENCE_CODE_FILES] if modeling_code is not None else []
+    missing_code = [str(f) for f in code if not f.is_file()]
+    if missing_code:
+        raise FileNotFoundError(f"modeling code: {', '.join(missing_code)} missing (the reference's "
+                                f"{' and '.join(REFERENCE_CODE_FILES)}: inclusionAI/Ling-V2 models/)")
     tok_meta = _tokenizer_ids(tokenizer) if tokenizer else {}
     hf_sd = to_hf_state_dict(state_dict, config)
     if fp8:
@@ -349,8 +432,12 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, out_dir
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         stored = "float8_e4m3fn" if fp8 else str(dtype or next(iter(hf_sd.values())).dtype).removeprefix("torch.")
-        conf = hf_config(config, torch_dtype="bfloat16" if fp8 else stored, **{
+        conf = hf_config(config, dtype="bfloat16" if fp8 else stored, **{
             k: tok_meta.get(k) for k in ("eos_token_id", "pad_token_id", "bos_token_id")})
+        if code:
+            conf["auto_map"] = dict(AUTO_MAP)
+            for f in code:
+                shutil.copyfile(f, tmp / f.name)
         if fp8:
             conf["quantization_config"] = {
                 "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -398,8 +485,11 @@ def _tokenizer_ids(path: str) -> dict[str, Any]:
 
 
 def _export_tokenizer(path: str, out: Path, meta: Mapping[str, Any]) -> None:
-    """Ship the tokenizer: a sentencepiece model as `tokenizer.model` (+ a tokenizer_config.json naming its
-    special tokens), an HF `tokenizer.json` as is (with its tokenizer_config / special_tokens_map siblings)."""
+    """Ship the tokenizer. A sentencepiece model: as `tokenizer.model` (transformers' slow LlamaTokenizer) and as
+    a `tokenizer.json` that encodes identically (the fast one), with a tokenizer_config.json that loads both from
+    any directory and keeps the model's own ids: no BOS/EOS added, its dummy prefix kept, and special-token
+    strings in a text encoded as text (`split_special_tokens`), as sentencepiece does. An HF `tokenizer.json`: as
+    is, with its tokenizer_config / special_tokens_map siblings."""
     src = Path(path)
     if src.suffix == ".json":
         shutil.copyfile(src, out / "tokenizer.json")
@@ -408,12 +498,17 @@ def _export_tokenizer(path: str, out: Path, meta: Mapping[str, Any]) -> None:
                 shutil.copyfile(src.parent / sibling, out / sibling)
         return
     shutil.copyfile(src, out / "tokenizer.model")
-    tokens = meta["tokens"]
-    special = {f"{k}_token": v for k, v in tokens.items()}
+    try:
+        (out / "tokenizer.json").write_text(tokenizer_json_from_sentencepiece(str(src)))
+    except DataError as e:  # transformers can still convert tokenizer.model itself (not exactly, then)
+        log.warning("no tokenizer.json in the export: %s", e)
+    special = {f"{k}_token": v for k, v in meta["tokens"].items()}
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-    conf = {"tokenizer_class": "LlamaTokenizer", "vocab_file": "tokenizer.model", "add_bos_token": False,
-            "add_eos_token": False, "legacy": True, "add_prefix_space": False, **special,
-            "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+    # no vocab_file (transformers finds tokenizer.model beside this file) and no add_prefix_space (set, it makes
+    # the fast tokenizer rebuild itself from tokenizer.model instead of reading tokenizer.json)
+    conf = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False, "legacy": True,
+            "split_special_tokens": True, **special, "model_max_length": 1 << 20,
+            "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n")
 
 
@@ -434,6 +529,12 @@ class HFReader:
         elif (self.path / SINGLE_FILE).is_file():
             weight_map = {}
         else:
+            pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            if pickles:
+                raise HFCheckpointError(
+                    f"HF checkpoint {self.path} holds PyTorch pickle weights ({', '.join(pickles)}): unsupported, "
+                    "and left unread (loading a pickle can run code). Only safetensors are read: convert them, "
+                    "e.g. transformers' save_pretrained(..., safe_serialization=True)")
             raise FileNotFoundError(f"HF checkpoint {self.path}: neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._stack = ExitStack()
         self._files: dict[str, Any] = {}
@@ -525,10 +626,11 @@ def read_tensor(reader: HFReader, m: TensorMap, dequantize_fp8: bool = False) ->
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of an HF folder's config.json, through `check_hf_config` (eval.py's path)."""
     conf = Path(path) / "config.json"
     if not conf.is_file():
         raise FileNotFoundError(f"HF checkpoint {path}: no config.json")
-    return model_config_from_hf(json.loads(conf.read_text()))
+    return model_config_from_hf(json.loads(conf.read_text()), str(conf))
 
 
 @torch.no_grad()
@@ -539,6 +641,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: boo
     the checkpoint lacks instead of raising (shapes and config must still match). Every rank calls this."""
     config: ModelConfig = model.config
     with HFReader(path) as reader:
+        check_hf_config(reader.config, str(reader.path / "config.json"))  # the same refusals as `check` and eval
         if strict:
             maps = check_tensors(reader, config, dequantize_fp8=dequantize_fp8)
         else:
@@ -582,27 +685,36 @@ def main(argv: list[str] | None = None) -> None:
     ex.add_argument("--dtype", default="bf16", help="bf16 (default) | fp32 | fp16 | keep")
     ex.add_argument("--max-shard-size", default="5GB")
     ex.add_argument("--tokenizer", default=None, help="tokenizer file to ship (default: the run's)")
+    ex.add_argument("--modeling-code", default=None, metavar="DIR",
+                    help=f"folder with the reference's {' and '.join(REFERENCE_CODE_FILES)} (inclusionAI/Ling-V2 "
+                         "models/): copied in, with an auto_map naming them, for transformers' trust_remote_code")
     ex.add_argument("--overwrite", action="store_true")
     ck = sub.add_parser("check", help="verify an HF folder against our model (names, shapes, config)")
     ck.add_argument("path")
     args = parser.parse_args(argv)
+    try:
+        _export(args) if args.cmd == "export" else _check(args.path)
+    except (OSError, ValueError, UnsafeCheckpointError) as e:  # HFCheckpointError is a ValueError
+        raise SystemExit(f"python -m ling.checkpoint.hf {args.cmd}: error: {e}") from None
 
-    if args.cmd == "export":
-        ref = find_checkpoint(args.checkpoint)
-        state = read_model_state(ref.folder)
-        config = ref.model_config(state)
-        tokenizer = args.tokenizer or run_tokenizer(ref.config)
-        out = save_hf(state, config, args.out, tokenizer=tokenizer, fp8=args.fp8,
-                      dtype=_dtype(args.dtype), max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-        print(f"exported {ref.folder} (step {ref.step}) → {out}" + (f" with tokenizer {tokenizer}" if tokenizer
-                                                                   else " (no tokenizer: synthetic data)"))
-    else:
-        with HFReader(args.path) as reader:
-            config = model_config_from_hf(reader.config)
-            check_tensors(reader, config, dequantize_fp8=reader.is_fp8)
-            n = sum(1 for _ in reader.keys())
-            print(f"{args.path}: {n} tensors, {'FP8' if reader.is_fp8 else 'high-precision'} weights, "
-                  f"all present with the expected shapes; model config: {config}")
+
+def _export(args: argparse.Namespace) -> None:
+    ref = find_checkpoint(args.checkpoint)
+    state = read_model_state(ref.folder)
+    config = ref.model_config(state)
+    tokenizer = args.tokenizer or run_tokenizer(ref.run_dir, ref.config)
+    out = save_hf(state, config, args.out, tokenizer=tokenizer, fp8=args.fp8, dtype=_dtype(args.dtype),
+                  max_shard_size=args.max_shard_size, overwrite=args.overwrite, modeling_code=args.modeling_code)
+    print(f"exported {ref.folder} (step {ref.step}) → {out}" + (f" with tokenizer {tokenizer}" if tokenizer
+                                                               else " (no tokenizer: synthetic data)"))
+
+
+def _check(path: str) -> None:
+    with HFReader(path) as reader:
+        config = model_config_from_hf(reader.config, str(reader.path / "config.json"))
+        check_tensors(reader, config, dequantize_fp8=reader.is_fp8)
+        print(f"{path}: {len(reader.keys())} tensors, {'FP8' if reader.is_fp8 else 'high-precision'} weights, "
+              f"all present with the expected shapes; model config: {config}")
 
 
 if __name__ == "__main__":

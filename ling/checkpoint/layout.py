@@ -19,6 +19,7 @@ MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module state under Ze
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 ZERO_OPTIM_STATES = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # DeepSpeed prefixes "bf16_" with bf16
 RESOLVED_CONFIG = "resolved_config.yaml"  # in the run dir: the run's whole config, resolved
+RUN_TOKENIZER = "tokenizer"  # in the run dir: a copy of the tokenizer the run trained with (text data only)
 
 
 def tag_for(step: int) -> str:

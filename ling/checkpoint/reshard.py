@@ -37,6 +37,7 @@ import torch
 
 from fp8.adam import MOMENTS, FP8AdamW, moment_slice, state_from_moments
 from ling.checkpoint.layout import EXPERT_SHARD, MODEL_STATES, TRAINER_STATE, ZERO_OPTIM_STATES
+from ling.checkpoint.safe_load import load_pt
 from ling.ranks import rank_world
 
 
@@ -70,10 +71,8 @@ class SavedZeroState:
     element range of the whole parameter."""
 
     def __init__(self, folder: Path, world: int, expert_names: set[str], numel: dict[str, int]) -> None:
-        self.sds = [torch.load(zero_file(folder, r), map_location="cpu", mmap=True,
-                               weights_only=False)["optimizer_state_dict"] for r in range(world)]  # fmt: skip
-        layouts = [torch.load(folder / TRAINER_STATE.format(rank=r), weights_only=False)["expert_parallel"]
-                   for r in range(world)]  # fmt: skip
+        self.sds = [load_pt(zero_file(folder, r), mmap=True)["optimizer_state_dict"] for r in range(world)]
+        layouts = [load_pt(folder / TRAINER_STATE.format(rank=r))["expert_parallel"] for r in range(world)]
         self.ep_size = layouts[0]["ep_size"]
         found: dict[str, list[tuple[tuple[int, int], int, int, Any]]] = {}
         for r, sd in enumerate(self.sds):
@@ -139,8 +138,8 @@ def _new_state(optimizer: torch.optim.Optimizer, group: dict[str, Any], m: torch
 def _module_state(folder: Path, saved: dict[str, torch.Tensor], saved_ep: int, model) -> dict[str, torch.Tensor]:
     """This rank's module state from a checkpoint written with `saved_ep` (`saved`: its model-states file's
     module state; the expert stacks from the shards, one whole stack at a time)."""
-    shards = [torch.load(folder / EXPERT_SHARD.format(ep_rank=k, ep_size=saved_ep), map_location="cpu", mmap=True,
-                         weights_only=True) for k in range(saved_ep)] if saved_ep > 1 else []  # fmt: skip
+    shards = [load_pt(folder / EXPERT_SHARD.format(ep_rank=k, ep_size=saved_ep), mmap=True)
+              for k in range(saved_ep)] if saved_ep > 1 else []  # fmt: skip
     state = {}
     for name in model.state_dict():
         shard = model.expert_shard(name)
@@ -185,7 +184,7 @@ def load_resharded(engine, folder: Path, saved_ep: int) -> None:
                          f"{model.config.ep_size}, or another optimizer), which works on ZeRO-1/2 optimizer state, "
                          "not this engine's: use deepspeed=zero1 or zero2")
     _, world = rank_world()
-    client = torch.load(folder / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+    client = load_pt(folder / MODEL_STATES, mmap=True)
     model.load_state_dict(_module_state(folder, client["module"], saved_ep, model))
     names = {id(p): n for n, p in model.named_parameters()}
     whole = {n: p.numel() * (model.config.ep_size if model.expert_shard(n) is not None else 1)

@@ -47,6 +47,7 @@ from ling.checkpoint.layout import (
     tag_for,
 )
 from ling.checkpoint.reshard import load_resharded
+from ling.checkpoint.safe_load import check_folder, load_pt
 from ling.checkpoint.snapshot import (
     BackgroundWrite,
     HostBuffers,
@@ -66,7 +67,13 @@ FILE_OVERHEAD = 1 << 20  # bytes per file beyond its tensors' (pickle, zip recor
 
 # ---------------------------------------------------------------------------------------------------- helpers
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state in plain types (tuples, ints, floats, str, tensors), so the trainer state loads with
+    weights_only=True: numpy's (kind, uint32 keys [624], pos, has_gauss, cached_gaussian) with the keys as an
+    int64 tensor."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -74,7 +81,11 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    saved = state["numpy"]
+    if isinstance(saved, dict):
+        saved = (saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                 saved["cached_gaussian"])
+    np.random.set_state(saved)  # a tuple with an ndarray: a trainer state from before 2026-12
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -106,14 +117,14 @@ def read_expert_shards(folder: Path) -> dict[str, torch.Tensor]:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"checkpoint {folder}: {name} is missing (moe.ep_size={ep_size} writes "
                                     f"{', '.join(expert_shard_names(ep_size))})")
-        shards.append(torch.load(folder / name, map_location="cpu", weights_only=True))
+        shards.append(load_pt(folder / name))
     return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
 
 
 def _load_expert_shard(model, folder: Path) -> None:
     """This rank's expert stacks from its shard file (DeepSpeed's loader put rank 0's share everywhere)."""
     name = EXPERT_SHARD.format(ep_rank=model.ep_rank, ep_size=model.config.ep_size)
-    tensors = torch.load(folder / name, map_location="cpu", weights_only=True)
+    tensors = load_pt(folder / name)
     with torch.no_grad():
         for key, p in model.expert_parameters():
             p.copy_(tensors[key])
@@ -475,6 +486,7 @@ def load(engine, folder: Path) -> dict[str, Any]:
     saved_ep, saved_opt = manifest["ep_size"], manifest["optimizer"]
     layout = expert_layout(engine)
     converted = saved_opt != optimizer_name(engine)
+    check_folder(folder)  # DeepSpeed's loader unpickles with weights_only=False: nothing reaches it unchecked
     if saved_ep != layout["ep_size"] or converted:
         load_resharded(engine, folder, saved_ep)
     else:
@@ -483,7 +495,7 @@ def load(engine, folder: Path) -> dict[str, Any]:
             raise FileNotFoundError(f"DeepSpeed could not load checkpoint {folder}")
         if saved_ep > 1:
             _load_expert_shard(engine.module, folder)
-    state = torch.load(folder / TRAINER_STATE.format(rank=rank), weights_only=False)
+    state = load_pt(folder / TRAINER_STATE.format(rank=rank))
     _set_rng_state(state["rng"])
     if converted:
         state["converted_from"] = saved_opt

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.config import DataConfig
 from data.corpus import fingerprint, load_corpus
-from data.tokenizer import get_tokenizer
-from ling.checkpoint.layout import MODEL_STATES, RESOLVED_CONFIG, ZERO3_MODEL_STATES
+from data.tokenizer import Tokenizer, get_tokenizer
+from ling.checkpoint.layout import MODEL_STATES, RESOLVED_CONFIG, RUN_TOKENIZER, ZERO3_MODEL_STATES
+from ling.checkpoint.safe_load import check_folder, load_pt
 from ling.checkpoint.store import newest_verified, read_expert_shards
 from ling.config import model_config_from
+from ling.files import atomic_write
 from model.config import ModelConfig
 
 
@@ -96,7 +99,7 @@ def read_model_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The module state_dict (parameters and persistent buffers, on CPU) of one DeepSpeed checkpoint folder."""
     folder = Path(folder)
     if (folder / MODEL_STATES).is_file():
-        states = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
+        states = load_pt(folder / MODEL_STATES)
         if "module" not in states or states["module"] is None:
             raise ValueError(f"{folder / MODEL_STATES}: no 'module' entry (not a DeepSpeed model-states file)")
         # expert parallelism: the model-states file holds expert-parallel rank 0's experts; the shards hold all
@@ -105,6 +108,7 @@ def read_model_state(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         # imported on use: DeepSpeed's import takes seconds, and only ZeRO-3 checkpoints need it
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        check_folder(folder)  # zero_to_fp32 unpickles with weights_only=False: nothing reaches it unchecked
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name))
     raise FileNotFoundError(f"checkpoint {folder}: neither {MODEL_STATES} nor {ZERO3_MODEL_STATES}")
 
@@ -139,12 +143,38 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
     model.load_state_dict(state, strict=True)
 
 
-def run_tokenizer(cfg: DictConfig) -> str | None:
-    """The tokenizer file a run trained with (None for synthetic data): `data.tokenizer.model` when set,
-    else the cached sentencepiece model trained on its corpus (trained again if the cache is gone)."""
+# a tokenizer.json's companions: its special tokens are named there (data/tokenizer.py)
+_TOKENIZER_JSON_SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_run_tokenizer(tokenizer: Tokenizer | None, run_dir: Path) -> None:
+    """Copy the tokenizer a run trains with into its run dir (`tokenizer/`: the sentencepiece model as
+    `tokenizer.model`, or a tokenizer.json with its config files), so that an export ships it without loading
+    the corpus again. None (synthetic data) writes nothing."""
+    if tokenizer is None:
+        return
+    src = Path(tokenizer.model_path)
+    folder = run_dir / RUN_TOKENIZER
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer.kind == "hf":
+        files = {src: "tokenizer.json"} | {src.parent / f: f for f in _TOKENIZER_JSON_SIBLINGS
+                                            if (src.parent / f).is_file()}
+    else:
+        files = {src: "tokenizer.model"}
+    for path, name in files.items():
+        atomic_write(folder / name, lambda tmp, path=path: shutil.copyfile(path, tmp))
+
+
+def run_tokenizer(run_dir: Path, cfg: DictConfig) -> str | None:
+    """The tokenizer file a run trained with (None for synthetic data): the copy in its run dir, else (runs from
+    before 2026-12) `data.tokenizer.model` when set, else the cached sentencepiece model trained on its corpus,
+    found by loading the corpus (and trained again if the cache is gone)."""
     name = OmegaConf.select(cfg, "data.name")
     if name not in ("bundled", "files"):
         return None
+    for file in ("tokenizer.json", "tokenizer.model"):
+        if (run_dir / RUN_TOKENIZER / file).is_file():
+            return str(run_dir / RUN_TOKENIZER / file)
     dcfg = DataConfig.from_mapping(cfg.data)
     if dcfg.tokenizer.model:
         return get_tokenizer(dcfg.tokenizer, None, "", dcfg.cache_path).model_path

@@ -39,6 +39,7 @@ from ling.checkpoint import store as checkpoint
 from ling.checkpoint.layout import MANIFEST, PARTIAL, RESOLVED_CONFIG, step_of
 from ling.checkpoint.snapshot import SaveFaults
 from ling.checkpoint.store import CheckpointWriteError
+from ling.checkpoint.weights import save_run_tokenizer
 from ling.config import model_config_from, resolve_device
 from ling.files import atomic_write
 from ling.ranks import barrier, broadcast, env_rank, init_distributed, rank_world
@@ -210,6 +211,7 @@ class Trainer:
                          self.start_step)
             resolved = OmegaConf.to_yaml(cfg, resolve=True)
             atomic_write(run_dir / RESOLVED_CONFIG, lambda tmp: tmp.write_text(resolved))
+            save_run_tokenizer(getattr(self.loader, "tokenizer", None), run_dir)  # for the HF export
         self.logger = MetricsLogger(cfg, run_dir, self.total_steps, self.start_step, enabled=self.rank == 0)
 
         self.accum = int(tc.grad_accum)

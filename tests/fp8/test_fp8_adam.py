@@ -488,7 +488,7 @@ def test_save_load_continue_equals_uninterrupted():
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": o1.state_dict()}, buf)
     buf.seek(0)
-    ck = torch.load(buf)
+    ck = torch.load(buf, weights_only=True)
     resumed = make_mlp(seed=123)
     resumed.load_state_dict(ck["model"])
     o2 = FP8AdamW(resumed.parameters(), **kw)

@@ -34,7 +34,7 @@ def launch(nproc: int, out: Path, *args: str) -> dict:
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return torch.load(out)
+    return torch.load(out, weights_only=True)
 
 
 def initial_params() -> dict[str, torch.Tensor]:

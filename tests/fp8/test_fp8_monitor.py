@@ -198,7 +198,7 @@ def test_fallback_through_the_trainer_survives_a_checkpoint(tmp_path):
     assert not layer.use_fp8 and sum(not m.use_fp8 for m in models[0].modules() if isinstance(m, FP8Linear)) == 1
     # the checkpoint of step 4 names it; a run resumed from there starts with it in high precision
     state = torch.load(tmp_path / "straight" / "checkpoints" / "step00000004" / "trainer_state_rank0.pt",
-                       weights_only=False)
+                       weights_only=True)
     assert state["fp8_monitor"] == {"bf16_layers": [WATCHED]}
     resumed_dir = tmp_path / "resumed"
     (resumed_dir / "checkpoints").mkdir(parents=True)

@@ -46,7 +46,7 @@ def launch(nproc: int, mode: str, out: Path, *args: str, interpret: bool = False
            f"--master_port={free_port()}", str(WORKER), "--mode", mode, "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return torch.load(out, weights_only=False)
+    return torch.load(out, weights_only=True)
 
 
 def run_overrides(zero: str, precision: str, ep: int) -> list[str]:
@@ -184,7 +184,7 @@ def test_an_ep_checkpoint_holds_every_expert_and_reads_as_the_whole_model(runs):
     folder = runs / "zero2_fp32_ep2" / "checkpoints" / "step00000006"
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["ep_size"] == 2 and {"experts_ep0_of2.pt", "experts_ep1_of2.pt"} <= manifest["files"].keys()
-    shards = [torch.load(folder / f"experts_ep{k}_of2.pt") for k in range(2)]
+    shards = [torch.load(folder / f"experts_ep{k}_of2.pt", weights_only=True) for k in range(2)]
     whole = read_model_state(folder)
     one = read_model_state(runs / "zero2_fp32_ep1" / "checkpoints" / "step00000006")
     assert whole.keys() == one.keys() and all(whole[k].shape == one[k].shape for k in one)

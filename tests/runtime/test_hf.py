@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ling.checkpoint import hf
 from ling.ranks import free_port
 from model.config import ModelConfig
-from model.ling import LingForCausalLM
+from model.ling import LingForCausalLM, shift_left
+from model.loss import IGNORE_INDEX
 from tests.helpers import ROOT
 
 # small, but every mechanism: a dense layer, MoE layers, a shared expert, MTP; dims not all multiples of 128
@@ -67,7 +70,7 @@ def test_single_file_export_and_bf16_weights_into_an_fp32_model(tmp_path):
     out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf")  # default: bf16, one file
     assert (out / hf.SINGLE_FILE).is_file() and not (out / hf.INDEX_FILE).exists()
     conf = json.loads((out / "config.json").read_text())
-    assert conf["torch_dtype"] == "bfloat16" and conf["model_type"] == "bailing_moe"
+    assert conf["dtype"] == "bfloat16" and conf["model_type"] == "bailing_moe"
     with hf.HFReader(out) as r:
         assert r.dtype("model.layers.1.mlp.experts.0.gate_proj.weight") == "BF16"
         assert r.dtype("model.layers.1.mlp.gate.expert_bias") == "F32"  # the bias buffer stays fp32
@@ -242,12 +245,10 @@ def test_bad_folders(tmp_path):
 
 
 def test_failed_export_leaves_no_folder(tmp_path, monkeypatch):
-    import safetensors.torch
-
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(hf, "save_file", boom)  # the name hf.py calls
     with pytest.raises(OSError, match="disk full"):
         hf.save_hf(random_model().state_dict(), SMALL, tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []
@@ -340,22 +341,29 @@ def _reference_dir() -> Path | None:
 
 @pytest.mark.skipif(_reference_dir() is None, reason="set LING_REFERENCE_DIR to a folder with the reference "
                     "modeling_bailing_moe_v2.py + configuration_bailing_moe_v2.py (inclusionAI/Ling-V2 models/)")
-def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path):
+@pytest.mark.parametrize("mtp", [0, 1, 2])
+def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path, mtp):
     transformers = pytest.importorskip("transformers")
-    model = random_model()
-    out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf", dtype=torch.float32, max_shard_size="300KB")
-    for f in ("modeling_bailing_moe_v2.py", "configuration_bailing_moe_v2.py"):
-        shutil.copyfile(_reference_dir() / f, out / f)
+    config = SMALL.replace(num_mtp_layers=mtp)
+    model = random_model(config)
+    out = hf.save_hf(model.state_dict(), config, tmp_path / "hf", dtype=torch.float32, max_shard_size="300KB",
+                     modeling_code=_reference_dir())
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), trust_remote_code=True, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert ref.mtp_loss_scaling_factor * max(mtp, 1) == pytest.approx(config.mtp_loss_weight)
     ref.eval()
-    ids = torch.randint(0, SMALL.vocab_size, (2, 20))
+    ids = torch.randint(0, config.vocab_size, (2, 20))
     with torch.no_grad():
         ours, theirs = model(ids), ref(ids, use_cache=False)
+        # each depth's logits from the decoder's MTP hidden states: with 2+ depths the reference's CausalLM forward
+        # re-binds its list of them to depth 1's tensor and indexes that (modeling_bailing_moe_v2.py)
+        depths = [ref.lm_head(h).float() for h in ref.model(ids, use_cache=False).mtp_hidden_states or []]
     # fp32; different op order (eager softmax vs SDPA, expert loop order): rounding-level differences only
     torch.testing.assert_close(theirs.logits, ours.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(theirs.mtp_logits[0], ours.mtp_logits[0], rtol=1e-5, atol=1e-5)
+    assert len(depths) == len(ours.mtp_logits or []) == mtp
+    for a, b in zip(depths, ours.mtp_logits or []):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ train.py
@@ -412,3 +420,325 @@ def test_train_init_from_under_zero3_two_ranks(tmp_path):
     assert z3.keys() == state.keys()
     for k in state:
         assert torch.equal(z3[k], state[k]), k
+
+
+# ------------------------------------------------------------------------------------------------ config reading
+# BailingMoeV2Config.__init__'s defaults as written in the reference, inclusionAI/Ling-V2
+# models/configuration_bailing_moe_v2.py (what it takes for a field its config.json lacks), and
+# partial_rotary_factor's fallback in models/modeling_bailing_moe_v2.py (BailingMoeV2Attention: 1.0).
+REFERENCE_CONFIG_DEFAULTS = {
+    "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "hidden_act": "silu", "use_qkv_bias": False,
+    "use_bias": False, "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "embedding_dropout": 0.0,
+    "attention_dropout": 0.0, "output_dropout": 0.0, "initializer_range": 0.02, "max_position_embeddings": 32768,
+    "rope_theta": 600000.0, "use_cache": True, "max_window_layers": 20, "rope_scaling": None, "pad_token_id": 156892,
+    "eos_token_id": 156892, "num_experts": 256, "num_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+    "topk_group": 4, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "head_dim": 128,
+    "output_router_logits": False, "use_qk_norm": True, "num_nextn_predict_layers": 0, "mtp_loss_scaling_factor": 0,
+    "moe_router_enable_expert_bias": True, "routed_scaling_factor": 1.0,
+}
+
+
+@pytest.mark.parametrize("field", sorted(REFERENCE_CONFIG_DEFAULTS))
+def test_reference_defaults_table_field_by_field(field):
+    assert field in hf.REFERENCE_DEFAULTS and hf.REFERENCE_DEFAULTS[field] == REFERENCE_CONFIG_DEFAULTS[field]
+    assert type(hf.REFERENCE_DEFAULTS[field]) is type(REFERENCE_CONFIG_DEFAULTS[field])
+
+
+def test_partial_rotary_factor_defaults_to_the_modeling_codes_1():
+    assert set(hf.REFERENCE_DEFAULTS) == set(REFERENCE_CONFIG_DEFAULTS) | {"partial_rotary_factor"}
+    assert hf.REFERENCE_DEFAULTS["partial_rotary_factor"] == 1.0
+
+
+def trimmed(conf: dict) -> dict:
+    """`conf` without the fields at the reference's defaults, and without model_type (as the reference writes)."""
+    return {k: v for k, v in conf.items() if k != "model_type" and not (
+        k in REFERENCE_CONFIG_DEFAULTS and v == REFERENCE_CONFIG_DEFAULTS[k] and type(v) is type(
+            REFERENCE_CONFIG_DEFAULTS[k]))}
+
+
+def test_absent_fields_take_the_reference_defaults_not_ours():
+    """Issue #26 point 2: partial_rotary_factor absent is 1.0 for the reference (ours 0.5), routed_scaling_factor
+    absent 1.0 (ours 2.5); every other absent field likewise."""
+    conf = {k: v for k, v in hf.hf_config(SMALL).items() if k not in ("partial_rotary_factor", "rotary_dim",
+                                                                     "routed_scaling_factor", hf.OWN_KEY)}
+    got = hf.model_config_from_hf(conf)
+    assert got.rotary_fraction == 1.0 and got.rotary_dim == SMALL.head_dim and got.routed_scaling_factor == 1.0
+    assert hf.config_differences(conf, SMALL)  # a model of our defaults is not this checkpoint's
+    # Ling-mini-2.0's own values equal most reference defaults: all of those left out, the config is unchanged
+    mini = ModelConfig.preset("ling_mini_2_0", mtp_loss_weight=0.0)
+    saved = trimmed({k: v for k, v in hf.hf_config(mini).items() if k != hf.OWN_KEY})
+    assert {"num_experts", "hidden_size", "rope_theta", "n_group", "head_dim"}.isdisjoint(saved)
+    got = hf.model_config_from_hf(saved)
+    fields = {**hf._SHAPE_FIELDS, **hf._MATH_FIELDS}.values()
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(mini, f) for f in fields}
+    assert hf.config_differences(saved, mini) == []
+
+
+def test_a_reference_saved_folder_without_model_type_is_accepted_everywhere(tmp_path):
+    """Issue #26 point 3: `check`, eval's read_hf_config and train.init_from read it alike."""
+    model = random_model()
+    out = hf.save_hf(model.state_dict(), SMALL, tmp_path / "hf", dtype=torch.float32)
+    conf = json.loads((out / "config.json").read_text())
+    del conf["model_type"]
+    (out / "config.json").write_text(json.dumps(conf))
+    hf.main(["check", str(out)])
+    assert hf.read_hf_config(out) == SMALL
+    again = LingForCausalLM(SMALL)
+    hf.load_hf_checkpoint(again, out)
+    assert_same_state(model, again)
+    del conf["architectures"]
+    with pytest.raises(hf.HFCheckpointError, match="neither model_type nor architectures"):
+        hf.check_hf_config(conf)
+
+
+def _refusals(tmp_path: Path, edit, config: ModelConfig = SMALL) -> list[str]:
+    """The errors of `check`, eval (read_hf_config) and train.init_from (load_hf_checkpoint) for an export whose
+    config.json `edit` changed."""
+    out = tmp_path / f"hf{len(list(tmp_path.iterdir()))}"
+    hf.save_hf(random_model(config).state_dict(), config, out)
+    conf = json.loads((out / "config.json").read_text())
+    edit(conf)
+    (out / "config.json").write_text(json.dumps(conf))
+    errors = []
+    with pytest.raises(SystemExit) as e:
+        hf.main(["check", str(out)])
+    errors.append(str(e.value))
+    with pytest.raises(hf.HFCheckpointError) as e:
+        hf.read_hf_config(out)
+    errors.append(str(e.value))
+    with pytest.raises(hf.HFCheckpointError) as e:
+        hf.load_hf_checkpoint(LingForCausalLM(config), out)
+    errors.append(str(e.value))
+    return errors
+
+
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_other_architectures_and_unsupported_settings_are_refused_by_check_eval_and_init_from(tmp_path, mtp):
+    """Issue #26 point 4: one check, naming the field, for `check`, eval and train.init_from (with and without MTP:
+    with MTP it used to be refused only for the missing MTP layer)."""
+    config = SMALL.replace(num_mtp_layers=mtp)
+    llama = _refusals(tmp_path, lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"]), config)
+    assert all("architectures=['LlamaForCausalLM'] is not BailingMoeV2" in e for e in llama), llama
+    rope = _refusals(tmp_path, lambda c: c.update(rope_scaling={"type": "linear", "factor": 4.0}), config)
+    assert all("rope_scaling={'type': 'linear', 'factor': 4.0}" in e for e in rope), rope
+    gelu = _refusals(tmp_path, lambda c: c.update(hidden_act="gelu"), config)
+    assert all("hidden_act='gelu'" in e for e in gelu), gelu
+    dense = _refusals(tmp_path, lambda c: c.update(num_experts=None), config)  # used to be a TypeError
+    assert all("num_experts=None" in e for e in dense), dense
+
+
+def test_mtp_loss_factor_is_written_in_the_references_sum_convention():
+    """Issue #26 point 6: the reference adds factor × each depth's loss, we add weight × their mean."""
+    config = SMALL.replace(num_mtp_layers=2, mtp_loss_weight=0.3)
+    conf = hf.hf_config(config)
+    assert conf["mtp_loss_scaling_factor"] == pytest.approx(0.15)
+    assert hf.model_config_from_hf(conf) == config  # ours, exactly, from the ling_fp8 entry
+    reference = {k: v for k, v in conf.items() if k != hf.OWN_KEY}
+    assert hf.model_config_from_hf(reference).mtp_loss_weight == pytest.approx(0.3)
+    # the loss our model computes with weight w is the reference's (each depth's loss × factor, summed)
+    model = random_model(config).train()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = shift_left(ids, 1, IGNORE_INDEX)
+    with torch.no_grad():
+        out = model(ids, labels=labels, return_logits=True)
+    depth_losses = [F.cross_entropy(logits.float().flatten(0, 1), shift_left(labels, d, IGNORE_INDEX).flatten(),
+                                    ignore_index=IGNORE_INDEX) for d, logits in enumerate(out.mtp_logits, start=1)]
+    reference_loss = out.lm_loss + out.z_loss + out.aux_loss + conf["mtp_loss_scaling_factor"] * sum(depth_losses)
+    torch.testing.assert_close(out.loss, reference_loss)
+
+
+def test_config_uses_dtype_not_the_deprecated_torch_dtype_and_no_auto_map_by_default(tmp_path):
+    out = hf.save_hf(random_model().state_dict(), SMALL, tmp_path / "hf")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["dtype"] == "bfloat16" and "torch_dtype" not in conf
+    assert "auto_map" not in conf and not any(f.suffix == ".py" for f in out.iterdir())
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / hf.REFERENCE_CODE_FILES[0]).write_text("# stand-in\n")
+    with pytest.raises(FileNotFoundError, match=hf.REFERENCE_CODE_FILES[1]):
+        hf.save_hf(random_model().state_dict(), SMALL, tmp_path / "hf2", modeling_code=code)
+    (code / hf.REFERENCE_CODE_FILES[1]).write_text("# stand-in\n")
+    out = hf.save_hf(random_model().state_dict(), SMALL, tmp_path / "hf2", modeling_code=code)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["auto_map"] == hf.AUTO_MAP and all((out / f).is_file() for f in hf.REFERENCE_CODE_FILES)
+    assert {v.split(".")[0] + ".py" for v in conf["auto_map"].values()} == set(hf.REFERENCE_CODE_FILES)
+
+
+def test_a_bin_checkpoint_is_refused_as_unsupported(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf.hf_config(SMALL)))
+    torch.save({}, folder / "pytorch_model.bin")
+    with pytest.raises(hf.HFCheckpointError, match=r"pytorch_model\.bin\): unsupported.*safetensors"):
+        hf.HFReader(folder)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_errors_are_one_message_not_a_traceback(tmp_path):
+    """Issue #26 point 6 and #28 item 7: a missing folder, a bad config, an export into an existing folder."""
+    proc = _cli("check", str(tmp_path / "nope"))
+    assert proc.returncode != 0 and "check: error: " in proc.stderr and "no such folder" in proc.stderr
+    out = hf.save_hf(random_model().state_dict(), SMALL, tmp_path / "hf")
+    conf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**conf, "num_experts": None}))
+    proc2 = _cli("check", str(out))
+    assert proc2.returncode != 0 and "num_experts=None" in proc2.stderr
+    (tmp_path / "run").mkdir()
+    proc3 = _cli("export", str(tmp_path / "run"), str(out))
+    assert proc3.returncode != 0 and "error:" in proc3.stderr
+    for p in (proc, proc2, proc3):
+        assert "Traceback" not in p.stderr, p.stderr
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer files
+# unicode, whitespace runs, tabs, newlines (leading, trailing, blank lines), digits, code, literal special tokens
+TOKENIZER_TEXTS = [
+    "In the beginning God created the heaven and the earth.", "  two leading spaces and   runs of    spaces",
+    "tabs\tand\t\ttabs", "lines\nand\n\nblank lines\n  indented\n", "\nstarts with a newline", "ends in spaces   ",
+    "digits 0123456789 3.14159 2026-12-02 1e-6", "ünïcödé café naïve — “quotes” 😀 中文字符 日本語 Ελληνικά",
+    "literal <s> and </s> and <pad> and <unk> in the text", "<s>", "</s>", "<pad>", "def f(x):\n    return x + 1\n",
+    "▁ the sentencepiece space symbol itself ▁▁", "", " ", "\n", "\r\n windows line ends\r\n", "x" * 40,
+]
+
+
+def tokenizer_corpus() -> list[str]:
+    rng = random.Random(0)
+    alphabet = list("abcdefgh ijk\n\t▁<>/s0123456789éü😀中")
+    return TOKENIZER_TEXTS + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 80))) for _ in range(300)]
+
+
+def trained_sentencepiece(folder: Path) -> Path:
+    """A sentencepiece BPE model trained the way the project trains one (data/tokenizer.py), on a small corpus."""
+    import datasets
+
+    from data.config import TokenizerConfig
+    from data.tokenizer import train_tokenizer
+
+    rng = random.Random(1)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(300)]
+    docs = [("\n" + "    " * rng.randint(0, 2)).join(" ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+                                                    for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "sp.model"
+    train_tokenizer(datasets.Dataset.from_dict({"text": docs + TOKENIZER_TEXTS * 5}),
+                    TokenizerConfig(vocab_size=600, num_threads=1), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported_tokenizer(tmp_path_factory) -> tuple[Path, Path]:
+    """(the sentencepiece model, an export shipping it)."""
+    root = tmp_path_factory.mktemp("tok")
+    model_file = trained_sentencepiece(root / "sp")
+    return model_file, hf.save_hf(random_model().state_dict(), SMALL, root / "hf", tokenizer=str(model_file))
+
+
+def test_export_writes_a_tokenizer_json_that_encodes_as_our_sentencepiece_model(exported_tokenizer):
+    """Issue #26 point 5, without transformers (CI): the tokenizers library and our data pipeline, both reading the
+    exported tokenizer.json, give the sentencepiece model's ids on every text."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from data.config import TokenizerConfig
+    from data.tokenizer import get_tokenizer
+
+    model_file, out = exported_tokenizer
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    fast = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    ours = get_tokenizer(TokenizerConfig(model=str(out)), None, "", str(out))  # a folder: its tokenizer.json
+    assert ours.kind == "hf" and (ours.eos_id, ours.bos_id, ours.pad_id) == (sp.eos_id(), sp.bos_id(), sp.pad_id())
+    texts = tokenizer_corpus()
+    want = sp.encode(texts)
+    assert [e.ids for e in fast.encode_batch(texts, add_special_tokens=False)] == want
+    assert ours.encode(texts) == want
+    assert [ours.decode(ids) for ids in want[:len(TOKENIZER_TEXTS)]] == sp.decode(want[:len(TOKENIZER_TEXTS)])
+    conf = json.loads((out / "tokenizer_config.json").read_text())
+    assert "vocab_file" not in conf and "add_prefix_space" not in conf and conf["split_special_tokens"] is True
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_the_exported_tokenizer_loads_in_transformers_from_any_directory(exported_tokenizer, tmp_path, monkeypatch,
+                                                                         use_fast):
+    """Issue #26 point 5: AutoTokenizer.from_pretrained(export) from another working directory, fast and slow, gives
+    exactly our ids (no BOS/EOS added, the dummy prefix kept after newlines, literal "<s>" encoded as text)."""
+    transformers = pytest.importorskip("transformers")
+    import sentencepiece as spm
+
+    model_file, out = exported_tokenizer
+    monkeypatch.chdir(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), use_fast=use_fast)
+    assert type(tok).__name__ == ("LlamaTokenizerFast" if use_fast else "LlamaTokenizer")
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    texts = tokenizer_corpus()
+    assert [tok(t)["input_ids"] for t in texts] == sp.encode(texts)
+    assert tok.eos_token_id == sp.eos_id() and tok.bos_token_id == sp.bos_id() and tok.pad_token_id == sp.pad_id()
+
+
+def test_a_sentencepiece_model_it_cannot_reproduce_is_refused_by_name(tmp_path):
+    import sentencepiece as spm
+
+    from data.config import DataError
+    from data.tokenizer import tokenizer_json_from_sentencepiece
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of some text to learn pieces from" for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "uni"), vocab_size=60,
+                                   model_type="unigram", minloglevel=2)
+    with pytest.raises(DataError, match="model_type UNIGRAM"):
+        tokenizer_json_from_sentencepiece(str(tmp_path / "uni.model"))
+
+
+@pytest.mark.skipif(_reference_dir() is None, reason="set LING_REFERENCE_DIR (see above)")
+def test_reference_defaults_equal_what_the_reference_config_class_reads(tmp_path):
+    """Against the reference's own BailingMoeV2Config: for each field dropped from an export's config.json, the
+    value the reference reads is the value ours fills in; its save_pretrained writes no model_type and no
+    partial_rotary_factor, and that file (as a model's save_pretrained writes it, with architectures) reads back
+    as the reference's defaults."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reference_config", _reference_dir() / hf.REFERENCE_CODE_FILES[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    conf = {k: v for k, v in hf.hf_config(SMALL).items() if k != hf.OWN_KEY}
+    for field in REFERENCE_CONFIG_DEFAULTS:
+        dropped = {k: v for k, v in conf.items() if k != field}
+        theirs = module.BailingMoeV2Config(**dropped)
+        assert getattr(theirs, field) == hf.reference_config(dropped)[field] == REFERENCE_CONFIG_DEFAULTS[field], field
+    module.BailingMoeV2Config(architectures=[hf.ARCHITECTURE]).save_pretrained(tmp_path)  # as a model's would
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "model_type" not in written and "partial_rotary_factor" not in written
+    filled = hf.reference_config(written)
+    assert all(filled[k] == v for k, v in REFERENCE_CONFIG_DEFAULTS.items())
+    assert hf.model_config_from_hf(written).rotary_fraction == 1.0
+
+
+def test_export_ships_the_runs_tokenizer_without_loading_its_corpus(tmp_path):
+    """Issue #28 item 7: the run keeps a copy of its tokenizer; the export takes it from there (the corpus and the
+    data cache are gone here: loading the corpus again would fail)."""
+    from tests.runtime.test_train_loop import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    data = ["data=files", f"data.sources=[{{path: {corpus}}}]", "data.tokenizer.vocab_size=320",
+            "data.tokenizer.train_chars=200000", f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=1",
+            "data.val_fraction=0.1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    cmd = [sys.executable, "train.py", "+exp=tiny_cpu", *data, "logging.wandb.mode=disabled",
+           "logging.progress_bar=false", "train.seq_len=32", "train.micro_batch_size=2", "model.num_layers=2",
+           "train.steps=1", "train.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kept = tmp_path / "run" / "tokenizer" / "tokenizer.model"
+    assert kept.is_file()
+    corpus.unlink()
+    shutil.rmtree(tmp_path / "cache")
+    export = _cli("export", str(tmp_path / "run"), str(tmp_path / "hf"))
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == kept.read_bytes()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
