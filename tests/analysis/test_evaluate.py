@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ling.analysis.evaluate import SYNTHETIC_BATCHES, evaluate, requested_batches, run_eval, split_steps
+from ling.analysis.evaluate import (
+    SYNTHETIC_BATCHES,
+    evaluate,
+    requested_batches,
+    run_eval,
+    split_batches,
+    split_steps,
+)
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
@@ -186,8 +193,8 @@ def test_eval_py_end_to_end(tiny_runs):
 
 @pytest.mark.slow
 def test_eval_py_takes_a_sample_by_default_and_the_whole_split_with_batches_all(tiny_runs):
-    """The default is the split's first 20 micro-batches (the tiny_cpu demo's whole validation split: 123 of them,
-    a half-hour on CPU); `batches=all` (or null, as before) is the whole split once."""
+    """The default is 20 micro-batches spread over the split (the tiny_cpu demo's whole validation split: 123 of
+    them, a half-hour on a busy 2-core CPU); `batches=all` (or null, as before) is the whole split once."""
     from omegaconf import OmegaConf
 
     assert OmegaConf.load(ROOT / "conf" / "eval.yaml").batches == 20
@@ -198,6 +205,20 @@ def test_eval_py_takes_a_sample_by_default_and_the_whole_split_with_batches_all(
     for bad in (0, -3, "some", 2.5, True):
         with pytest.raises(ValueError, match="want a positive number of micro-batches, or all"):
             requested_batches(bad, synthetic=False)
+
+
+def test_a_sample_is_spread_over_the_split():
+    class Counting:  # micro-batch i of the split is {"i": i}
+        def __init__(self):
+            self.i = -1
+
+        def next_batch(self):
+            self.i += 1
+            return {"i": self.i}
+
+    assert [b["i"] for b in split_batches(Counting(), 4, whole=10)] == [0, 2, 5, 7]
+    assert [b["i"] for b in split_batches(Counting(), 3, whole=None)] == [0, 1, 2]  # no size: the first ones
+    assert [b["i"] for b in split_batches(Counting(), 5, whole=5)] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
