@@ -26,8 +26,6 @@ import os
 import deepspeed.ops
 from torch.utils.cpp_extension import get_default_build_root
 
-from ling.ranks import env_rank
-
 log = logging.getLogger(__name__)
 
 # The DeepSpeed releases this module was checked on.
@@ -36,13 +34,14 @@ SHM_COMM_OP = "deepspeed_shm_comm"  # deepspeed.ops.op_builder.cpu.comm.ShareMem
 LOCK_FILE = "lock"  # torch.utils.cpp_extension's FileBaton in an extension's build folder
 
 
-def skip_unused_op_builds() -> None:
+def skip_unused_op_builds(report: bool) -> None:
     """Mark DeepSpeed's CPU shared-memory comm op as not buildable, so that `deepspeed.init_distributed` neither
-    builds nor loads it (call before it); rank 0 says so if a build's lock file exists (a killed build's)."""
+    builds nor loads it (call before it); with `report` (rank 0), say so if a build's lock file exists (a killed
+    build's)."""
     compatible = deepspeed.ops.__compatible_ops__  # probes every op once (0.15 s here), as build_shm_op would
     if compatible.get(SHM_COMM_OP):
         compatible[SHM_COMM_OP] = False
-    for lock in build_locks(SHM_COMM_OP) if env_rank() == 0 else ():
+    for lock in build_locks(SHM_COMM_OP) if report else ():
         log.warning("found %s: the lock of a build of DeepSpeed's %s op that did not finish (a run killed at "
                     "start-up leaves it; the file names no owner). Training neither builds nor uses that op, so this "
                     "run does not wait on it; remove the file unless a build is running now (ps: ninja, c++)",

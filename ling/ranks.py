@@ -73,7 +73,7 @@ def init_distributed() -> None:
 
     from ling.deepspeed_ops import skip_unused_op_builds
 
-    skip_unused_op_builds()  # no JIT build of DeepSpeed's CPU shared-memory op (inference only) and no lock wait
+    skip_unused_op_builds(report=env_rank() == 0)  # no JIT build of DeepSpeed's CPU shared-memory op, no lock wait
     if "RANK" not in os.environ:  # plain `python train.py`: a one-process group on a free local port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))

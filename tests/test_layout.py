@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import ROOT
 
 PACKAGES = ("model", "fp8", "data", "ling", "kernels")  # the library; a package not (yet) there is skipped
@@ -30,6 +28,8 @@ LAZY_IMPORTS = {
     ("data.prepare", "data.text_loader"): "pulls in `datasets` and sentencepiece (seconds); only a preparation run "
                                           "needs them",
     ("data.loader", "data.synthetic"): "picked by name beside data.text_loader; no start-up cost of its own",
+    ("ling.ranks", "ling.deepspeed_ops"): "imports DeepSpeed (seconds, and a banner): loaded where init_distributed "
+                                          "starts DeepSpeed, as ling.ranks imports deepspeed itself",
 }
 
 

@@ -92,7 +92,8 @@ def main() -> None:
         os.environ.setdefault(key, value)
     from ling.deepspeed_ops import skip_unused_op_builds
 
-    skip_unused_op_builds()  # as the trainer starts DeepSpeed: no JIT build of its CPU shared-memory op
+    # as the trainer starts DeepSpeed: no JIT build of its CPU shared-memory op
+    skip_unused_op_builds(report=os.environ.get("RANK", "0") == "0")
     for case in args.cases:
         stage, accum, *flags = case.split(":")
         row = run_case(int(stage), None if accum == "null" else accum, "fp32_comm" in flags, "stock" in flags)

@@ -10,10 +10,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
@@ -29,15 +27,9 @@ from ling.config_check import (
 )
 from ling.train.engine import FP8_OPTIM_KEYS, OPTIM_KEYS
 from model.config import ModelConfig
+from tests.helpers import COMMON, CONF, ROOT, compose_cfg
 
-ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml"))
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 def problems(*overrides: str, world: int = 1) -> list[str]:
@@ -62,10 +54,9 @@ def test_every_group_option_passes(override, tmp_path):
     assert problems(override, *extra) == [], override
 
 
+@pytest.mark.slow
 def test_the_tests_run_configs_pass():
-    """The overrides the runtime tests train with (tests/runtime/test_train_loop.py COMMON), across their variants."""
-    from tests.runtime.test_train_loop import COMMON
-
+    """The overrides the runtime tests train with (tests/helpers.py COMMON), across their variants."""
     for extra in ([], ["precision=fp8", "optim=fp8_adamw", "optim.min_fp8_numel=0"], ["deepspeed=zero1"],
                   ["deepspeed=zero3"], ["train.inject_nan_steps=[3,4]", "train.max_bad_steps=2"],
                   ["fp8.ablate=[adam_m]", "optim=fp8_adamw"], ["train.profile_step=2", "train.profile_python_step=3"]):

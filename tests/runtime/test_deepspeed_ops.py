@@ -19,15 +19,16 @@ import pytest
 from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
 from ling.deepspeed_ops import LOCK_FILE, SHM_COMM_OP
-from tests.runtime.test_train_loop import COMMON, metrics_of, train_env
+from tests.helpers import COMMON, ROOT, metrics_of
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN = [*COMMON, "train.steps=2", "train.save_every=0", "train.save_final=false"]
 DEADLINE_S = 300  # a run of 2 tiny steps starts and ends in about 20 s here, a minute on a loaded machine
 
 
 def env_with_cache(cache: Path) -> dict[str, str]:
-    return {**train_env(), "TORCH_EXTENSIONS_DIR": str(cache)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_EXTENSIONS_DIR": str(cache)}
+    env.pop("RANK", None)
+    return env
 
 
 def train_cmd(run_dir: Path) -> list[str]:
@@ -43,6 +44,7 @@ def test_the_op_is_deepspeeds_shared_memory_op():
     assert ShareMemCommBuilder.NAME == SHM_COMM_OP
 
 
+@pytest.mark.slow
 def test_init_distributed_builds_and_loads_no_op(tmp_path):
     script = ("from ling.ranks import init_distributed\n"
               "init_distributed()\n"
