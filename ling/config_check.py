@@ -235,7 +235,7 @@ def walk(node: Any, spec: Mapping[str, Any], where: str, elsewhere: Mapping[str,
         elif value == MISSING:
             problems.append(f"{full}: required, no value given")
         elif isinstance(spec[key], Mapping):
-            problems += walk(value, spec[key], full)
+            problems += walk(value, spec[key], full) if value is not None else []  # null: the node's defaults
         elif spec[key] is not None and (problem := spec[key](value)) is not None:
             problems.append(f"{full}: {problem}")
     return problems
