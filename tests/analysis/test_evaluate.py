@@ -236,10 +236,10 @@ def test_ctrl_c_stops_eval_py_with_a_line_not_a_traceback(tiny_runs):
         t0 = time.monotonic()
         while "eval:" not in "".join(err):  # tqdm's bar: the evaluation has started
             assert proc.poll() is None, "".join(err)[-3000:]
-            assert time.monotonic() - t0 < 300, "eval.py did not start evaluating"
+            assert time.monotonic() - t0 < 900, "eval.py did not start evaluating: " + "".join(err)[-3000:]
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
+        proc.wait(timeout=600)  # generous deadlines: on a loaded 2-core machine a start takes minutes
     finally:
         proc.kill()
     reader.join(timeout=10)
