@@ -26,7 +26,11 @@ from ling.analysis.evaluate import run_eval  # noqa: E402
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_eval(cfg)
+    try:
+        run_eval(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: one line instead of a traceback; the result file is written last, so none
+        print("\neval.py: interrupted; no result written", file=sys.stderr, flush=True)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":

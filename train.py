@@ -14,11 +14,13 @@ import sys  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from ling.config_check import exit_on_bad_config  # noqa: E402
 from ling.train.trainer import train  # noqa: E402
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    exit_on_bad_config(cfg)  # every problem of the config at once (exit 2), before data, model or engine are built
     try:
         train(cfg)
     except StopRun as stop:  # logged by train(); the exit code tells the launcher (no traceback)

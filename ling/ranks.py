@@ -1,19 +1,14 @@
 """This process's place among the ranks, and the few collectives of Python objects the runtime needs (no-ops
-without torch.distributed). Imports nothing of the project."""
+without torch.distributed). Imports nothing of the project at the top (init_distributed: ling.deepspeed_ops)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
 
 
 def distributed() -> bool:
@@ -76,13 +71,12 @@ def init_distributed() -> None:
     # import this module before they quieten library output (ling.train.logger.quiet_library_noise)
     import deepspeed
 
+    from ling.deepspeed_ops import skip_unused_op_builds
+
+    skip_unused_op_builds(report=env_rank() == 0)  # no JIT build of DeepSpeed's CPU shared-memory op, no lock wait
     if "RANK" not in os.environ:  # plain `python train.py`: a one-process group on a free local port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    printed = io.StringIO()  # DeepSpeed prints "... built successfully" for its CPU comm op on every rank
-    with contextlib.redirect_stdout(printed):
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if printed.getvalue().strip():
-        log.debug("deepspeed.init_distributed: %s", printed.getvalue().strip())
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -39,6 +39,10 @@ EXPECTED_DIFFERENCES = ("run_name", "precision.", "fp8.", "optim.name", "optim.b
 HEALTH_KINDS = ("act", "grad", "gradT", "weight")
 HEALTH_STATS = ("underflow", "distortion")
 TARGET_REL_DIFF = 1e-3  # Ling 2.0 reports about 0.1 % between FP8 and BF16 loss
+# The fewest logged steps a summary window needs for its slope to be reported: with fewer, the slope per 1k steps
+# extrapolates a few noisy points by 100x and its interval (t quantile on a handful of effective samples) spans
+# both signs by far (a 12-step window: +49 [-88, +187] %/1k steps).
+MIN_SLOPE_STEPS = 30
 
 
 class ConfigMismatchWarning(UserWarning):
@@ -285,7 +289,7 @@ class Comparison:
     noise_rel: dict[str, float] | None  # spread over noise pairs of mean_rel
     within_noise: bool | None  # |mean over pairs of mean_rel| <= noise_floor
     within_target: bool  # |mean over pairs of mean_rel| <= 0.1 %
-    upward_trend: list[str]  # candidates whose slope CI lies above 0
+    upward_trend: list[str]  # candidates whose slope CI lies above 0 (windows of MIN_SLOPE_STEPS or more)
     edges: list[int] = field(default_factory=list)  # step ranges (edges[i], edges[i + 1]] of the tables below
     over_the_run: dict[str, list[float | None]] = field(default_factory=dict)  # "A vs B" → mean rel. diff per range
 
@@ -297,10 +301,16 @@ def summarize(pairs: list[PairSummary], noise: list[PairSummary]) -> Comparison:
     return Comparison(pairs, noise, mean_rel, spread([p.mean_abs_rel for p in pairs]), floor,
                       spread([p.mean_rel for p in noise]) if noise else None,
                       None if floor is None else bool(level <= floor), bool(level <= TARGET_REL_DIFF),
-                      [p.candidate for p in pairs if p.slope.ci_low > 0])
+                      [p.candidate for p in pairs if p.window_steps >= MIN_SLOPE_STEPS and p.slope.ci_low > 0])
 
 
 # ------------------------------------------------------------------------------------------------ plots
+def smoothing_width(n: int) -> int:
+    """Points in the moving average of an n-point curve: an odd number near n / 20 (11 for 200 steps, 51 for
+    1,000), 1 (no smoothing) below 30 points."""
+    return 1 if n < 30 else (n // 20) | 1
+
+
 def smooth(y: np.ndarray, width: int) -> np.ndarray:
     """Centered moving average over `width` points (fewer at the ends)."""
     if width <= 1 or len(y) < 3:
@@ -335,8 +345,14 @@ def _save(plt, fig, out: Path) -> Path:
 
 def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key: str, out: Path) -> Path:
     plt = _plt()
+    return _save(plt, loss_figure(plt, pairs, noise, key), out)
+
+
+def loss_figure(plt, pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key: str):
+    """Each run's per-step `key` (faint) and its centered moving average over smoothing_width points."""
     fig, ax = plt.subplots(figsize=(9, 5))
     seen: set[Path] = set()
+    widths = set()
     for i, (a, b) in enumerate(pairs + noise):
         for run, style in ((a, "-"), (b, "--")):
             if run.path in seen:
@@ -344,10 +360,18 @@ def plot_losses(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]], key:
             seen.add(run.path)
             s, v = run.series(key)
             color = "0.5" if i >= len(pairs) else f"C{i % 10}"
-            ax.plot(s, smooth(v, max(1, len(v) // 50)), style, color=color, lw=1.2,
-                    label=f"{run.name} ({run.precision or '?'})")
-    _label(ax, f"{key} (moving average)", f"training {key}")
-    return _save(plt, fig, out)
+            width = smoothing_width(len(v))
+            widths.add(width)
+            if width > 1:
+                ax.plot(s, v, style, color=color, lw=0.5, alpha=0.25)
+            ax.plot(s, smooth(v, width), style, color=color, lw=1.4, label=f"{run.name} ({run.precision or '?'})")
+    shown = sorted(widths)
+    if shown == [1]:
+        ylabel = f"{key} (per step)"
+    else:
+        ylabel = f"{key} (moving average over {'/'.join(map(str, shown))} steps; faint: per step)"
+    _label(ax, ylabel, f"training {key}")
+    return fig
 
 
 def plot_relative_difference(pairs: list[tuple[Run, Run]], noise: list[tuple[Run, Run]],
@@ -391,21 +415,29 @@ def health_series(run: Run, kind: str, stat: str) -> tuple[np.ndarray, np.ndarra
 
 def plot_fp8_health(runs: list[Run], out: Path) -> Path | None:
     """Underflow and distortion over time per tensor kind (act, grad, gradT, weight), one line per FP8 run."""
+    plt = _plt()
+    fig = fp8_health_figure(plt, runs)
+    return None if fig is None else _save(plt, fig, out)
+
+
+def fp8_health_figure(plt, runs: list[Run]):
+    """The health plot (None without health statistics): a marker on every sampled step (fp8.health_every apart),
+    the lines between them only joining the samples."""
     found = [(r, k, s, health_series(r, k, s)) for r in runs for k in HEALTH_KINDS for s in HEALTH_STATS]
     found = [f for f in found if f[3] is not None]
     if not found:
         return None
-    plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ["-", "--", ":", "-."]
     run_names = list(dict.fromkeys(r.name for r, *_ in found))
     for run, kind, stat, (s, v) in found:
         ax = axes[HEALTH_STATS.index(stat)]
         ax.plot(s, 100 * v, color=f"C{HEALTH_KINDS.index(kind)}", ls=styles[run_names.index(run.name) % 4],
-                lw=1.2, label=f"{kind}" + (f" ({run.name})" if len(run_names) > 1 else ""))
+                lw=1.0, marker="o", ms=3.5, label=f"{kind}" + (f" ({run.name})" if len(run_names) > 1 else ""))
+    samples = max(len(s) for *_, (s, _) in found)
     for ax, stat in zip(axes, HEALTH_STATS):
-        _label(ax, f"{stat} (%)", f"FP8 {stat}, mean over layers", legend_size=7)
-    return _save(plt, fig, out)
+        _label(ax, f"{stat} (%)", f"FP8 {stat}, mean over layers ({samples} sampled steps)", legend_size=7)
+    return fig
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -417,10 +449,28 @@ def _loss(x: float | None) -> str:
     return "–" if x is None else f"{x:.4f}"
 
 
-def _row(p: PairSummary) -> str:
+def round_to_interval(value: float, low: float, high: float) -> tuple[str, str, str]:
+    """value and its interval [low, high], signed, to two significant digits of the interval's half-width (the
+    digits beyond are noise): (+49.487, -88.128, +187.102) → ("+50", "-90", "+190")."""
+    half = (high - low) / 2
+    if not (math.isfinite(half) and half > 0):
+        return tuple(f"{x:+.4g}" for x in (value, low, high))  # an exact fit: every digit holds
+    place = math.floor(math.log10(half)) - 1  # the decimal place of the half-width's second digit
+    decimals = max(0, -place)
+    return tuple(f"{round(x, -place):+.{decimals}f}" for x in (value, low, high))
+
+
+def slope_text(p: PairSummary) -> str:
+    """The slope in %/1k steps with its 95 % interval, or why there is none."""
+    if p.window_steps < MIN_SLOPE_STEPS or not math.isfinite(p.slope.per_step):
+        return f"window too short ({p.window_steps} steps; a slope needs {MIN_SLOPE_STEPS})"
     k = 1000 * 100
-    slope = (f"{p.slope.per_step * k:+.4f} [{p.slope.ci_low * k:+.4f}, {p.slope.ci_high * k:+.4f}]"
-             if math.isfinite(p.slope.per_step) else "–")
+    value, low, high = round_to_interval(p.slope.per_step * k, p.slope.ci_low * k, p.slope.ci_high * k)
+    return f"{value} [{low}, {high}]"
+
+
+def _row(p: PairSummary) -> str:
+    slope = slope_text(p)
     return (f"| {p.candidate} vs {p.baseline} | {p.steps} | {p.window[0]}–{p.window[1]} | {_pct(p.mean_rel)} | "
             f"{_pct(p.mean_abs_rel).lstrip('+')} | {slope} | {_pct(p.final_rel)} | "
             f"{_loss(p.held_out_a)} / {_loss(p.held_out_b)} ({_pct(p.held_out_rel)}) |")
@@ -452,6 +502,10 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
         lines.append(_mean_row(f"**noise: mean over {len(comp.noise)} pairs**", comp.noise_rel,
                                spread([p.mean_abs_rel for p in comp.noise])))
     lines += ["", "**Verdict.** " + verdict(comp), ""]
+    for q in comp.pairs + comp.noise:
+        if n := sum(not ok for *_, ok in q.config_differences):
+            lines += [f"⚠ **{q.candidate} vs {q.baseline}: {n} unexpected config difference{'s' if n > 1 else ''}** "
+                      "(listed first under [Config differences](#config-differences)).", ""]
     if comp.edges:
         lines += ["## Over the run", "", f"Mean relative `{key}` difference in each range of steps (ending at the "
                   "step in the header): where along the run the gap opens.", "",
@@ -468,13 +522,32 @@ def render_report(comp: Comparison, plots: dict[str, Path | None], command: str,
         lines += ["No FP8 health statistics in the candidate runs' logs (fp8.health_every=0?).", ""]
     lines += ["## Config differences", ""]
     for p in comp.pairs + comp.noise:
-        lines.append(f"**{p.candidate} vs {p.baseline}**" + ("" if p.config_differences else ": identical configs"))
-        if p.config_differences:
-            lines += ["", "| key | A | B | |", "|---|---|---|---|"]
-            lines += [f"| `{k}` | `{va}` | `{vb}` | {'' if ok else '⚠ unexpected'} |" for k, va, vb, ok in
-                      p.config_differences]
-        lines.append("")
+        lines += config_difference_lines(p)
     return "\n".join(lines) + "\n"
+
+
+def config_difference_lines(p: PairSummary) -> list[str]:
+    """A pair's config differences for the report: the unexpected ones first, as a table of their own; the
+    expected ones (EXPECTED_DIFFERENCES: what makes the twin, the seed, bookkeeping) after them, folded."""
+    head = f"**{p.candidate} vs {p.baseline}**"
+    if not p.config_differences:
+        return [f"{head}: identical configs", ""]
+    unexpected = [d for d in p.config_differences if not d[3]]
+    expected = [d for d in p.config_differences if d[3]]
+
+    def table(rows: list[tuple[str, Any, Any, bool]], mark: str) -> list[str]:
+        return ["| key | A | B | |", "|---|---|---|---|"] + [f"| `{k}` | `{va}` | `{vb}` | {mark} |"
+                                                             for k, va, vb, _ in rows]
+
+    lines = [head, ""]
+    if unexpected:
+        lines += [f"⚠ {len(unexpected)} unexpected difference{'s' if len(unexpected) > 1 else ''} (beyond "
+                  "precision, optimizer, seed and bookkeeping):", "", *table(unexpected, "⚠ unexpected"), ""]
+    if expected:
+        lines += [f"<details><summary>{len(expected)} expected difference{'s' if len(expected) > 1 else ''} "
+                  "(precision, optimizer, seed, bookkeeping)</summary>", "", *table(expected, ""), "", "</details>",
+                  ""]
+    return lines
 
 
 def verdict(comp: Comparison) -> str:
@@ -505,8 +578,9 @@ def verdict(comp: Comparison) -> str:
                      f"(mean abs. rel. diff {_pct(comp.noise_floor).lstrip('+')})")
     if comp.upward_trend:
         parts.append("upward trend (slope CI above 0) in: " + ", ".join(comp.upward_trend))
-    elif any(not math.isfinite(p.slope.per_step) for p in comp.pairs):
-        parts.append("no slope for windows of fewer than 3 steps")
+    elif any(p.window_steps < MIN_SLOPE_STEPS or not math.isfinite(p.slope.per_step) for p in comp.pairs):
+        parts.append(f"no trend stated: a summary window is too short for a slope (fewer than {MIN_SLOPE_STEPS} "
+                     "logged steps; --window widens it)")
     else:
         parts.append("no upward trend (every slope CI reaches 0 or below)")
     return "; ".join(parts) + "."

@@ -141,9 +141,33 @@ def split_steps(loader: Any, max_batches: int | None) -> int:
     return min(steps, int(max_batches)) if max_batches is not None else steps
 
 
-def split_batches(loader: Any, steps: int) -> Iterator[dict[str, torch.Tensor]]:
-    for _ in range(steps):
-        yield loader.next_batch()
+WHOLE_SPLIT = ("all", None)  # eval.py batches=all (or null): the whole split once
+SYNTHETIC_BATCHES = 50  # ... of synthetic data, which has no end
+
+
+def requested_batches(value: Any, synthetic: bool) -> int | None:
+    """eval.py's `batches`: a positive number of micro-batches (per rank), or all / null: the whole split (None;
+    synthetic data: SYNTHETIC_BATCHES)."""
+    if value in WHOLE_SPLIT:
+        return SYNTHETIC_BATCHES if synthetic else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"batches={value!r}: want a positive number of micro-batches, or all (the whole split once)")
+
+
+def split_batches(loader: Any, steps: int, whole: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """`steps` micro-batches of the loader; with `whole` (the split's size in micro-batches, split_steps) larger,
+    spread evenly over the split: micro-batch floor(i · whole / steps) for i < steps, the others read and skipped
+    (a packed split is in corpus order: its first batches hold one source's documents)."""
+    if whole is None or steps >= whole:
+        for _ in range(steps):
+            yield loader.next_batch()
+        return
+    picked = {i * whole // steps for i in range(steps)}
+    for index in range(max(picked) + 1):
+        batch = loader.next_batch()
+        if index in picked:
+            yield batch
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -223,17 +247,18 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         data_cfg.seed = int(data_cfg.get("seed", 0)) + 1_000_003
     loader = build_loader(data_cfg, seq_len=seq_len, micro_batch_size=micro, rank=rank, world_size=world,
                           seed=int(run_cfg.train.seed), split=str(cfg.split))
-    max_batches = cfg.batches if cfg.batches is not None else (50 if data_cfg.get("name") == "synthetic" else None)
-    steps = split_steps(loader, max_batches)
+    steps = split_steps(loader, requested_batches(cfg.batches, data_cfg.get("name") == "synthetic"))
+    whole = split_steps(loader, None) if hasattr(loader, "num_rows") else None  # synthetic data has no end
+    batches = split_batches(loader, steps, whole)
     if mode == "step_error":
-        return _run_step_error(cfg, model, model_config, split_batches(loader, steps), steps, device,
+        return _run_step_error(cfg, model, model_config, batches, steps, device,
                                out_default.with_name(out_default.stem + "-step_error.json"), source, tag, step)
-    metrics = evaluate(model, split_batches(loader, steps), device, max_batches=steps,
-                       progress=bool(cfg.progress_bar) and rank == 0)
+    metrics = evaluate(model, batches, device, max_batches=steps, progress=bool(cfg.progress_bar) and rank == 0)
     record = {
         "checkpoint": str(source), "tag": tag, "step": step, "split": str(cfg.split),
         "precision": model_config.precision, "dtype": str(dtype).removeprefix("torch."), "device": device.type,
         "ranks": world, "seq_len": seq_len, "micro_batch_size": micro, "data": str(data_cfg.get("name")),
+        "split_batches": whole,  # the whole split, per rank (null: synthetic data)
         "seconds": time.perf_counter() - t0, "metrics": metrics,
     }
     if rank == 0:
@@ -301,8 +326,11 @@ def _run_step_error(cfg: DictConfig, reference: nn.Module, model_config: Any, ba
 
 def format_metrics(record: Mapping[str, Any]) -> str:
     m = record["metrics"]
+    whole = record.get("split_batches")
+    sample = (f" (spread over the split's {whole}; batches=all for all of them)"
+              if whole is not None and int(m["batches"]) < whole else "")
     lines = [f"eval {record['checkpoint']} ({record['tag']}, step {record['step']}) on {record['data']} "
-             f"{record['split']}: {int(m['tokens'])} tokens in {int(m['batches'])} batches, "
+             f"{record['split']}: {int(m['tokens'])} tokens in {int(m['batches'])} batches{sample}, "
              f"precision={record['precision']}, {record['dtype']} on {record['device']}"]
     keys = ["loss", "lm_loss", "ppl", "acc"] + sorted(k for k in m if k.startswith("mtp_"))
     lines += [f"  {k:<12} {m[k]:.6g}" for k in keys if k in m]

@@ -31,7 +31,12 @@ class NonFiniteStop(StopRun):
 
 def check_engine_can_skip(engine) -> None:
     """DeepSpeed without ZeRO in fp32 applies whatever the gradients hold; refuse it before training."""
-    if engine.zero_optimization_stage() == 0 and not (engine.bfloat16_enabled() or engine.fp16_enabled()):
+    check_can_skip(engine.zero_optimization_stage(), engine.bfloat16_enabled() or engine.fp16_enabled())
+
+
+def check_can_skip(zero_stage: int, half_precision: bool) -> None:
+    """The same refusal from the config (ling/config_check.py), before the engine is built."""
+    if zero_stage == 0 and not half_precision:
         raise ValueError("deepspeed.zero_stage=0 with fp32 weights (a CPU run unless deepspeed.bf16=true, or "
                          "deepspeed.bf16=false) calls the optimizer without DeepSpeed's overflow check, so a "
                          "non-finite step could not be skipped: use deepspeed=zero1 (the same memory on one process)")

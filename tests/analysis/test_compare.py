@@ -259,3 +259,71 @@ def test_over_the_run_table_shows_where_the_gap_opens(tmp_path):
     val = compare.compare([(a, b)], out_dir=tmp_path / "report_val", key="val_loss", window=0.5)
     assert val.edges == [0, 50, 100, 150, 200]
     assert val.over_the_run["fp8 vs bf16"] == pytest.approx([0.0, 0.0, 0.02, 0.02], abs=1e-12)
+
+
+def test_a_short_window_gets_no_slope_and_a_slope_is_rounded_to_its_interval(tmp_path):
+    """A 12-step window used to print '+49.4870 [-88.1279, +187.1019] %/1k steps': now it says it is too short; a
+    slope that is shown carries the digits its interval supports (two of the half-width)."""
+    rng = np.random.default_rng(5)
+    base = baseline_loss()[:60]
+    b = write_run(tmp_path, "bf16", base, run_config())
+    a = write_run(tmp_path, "fp8", base * (1 + 1e-3 * rng.standard_normal(60)), run_config(**{"precision.name": "fp8"}))
+    comp = compare.compare([(a, b)], out_dir=tmp_path / "short")
+    assert comp.pairs[0].window_steps == 12 and comp.upward_trend == []
+    report = (tmp_path / "short" / "report.md").read_text()
+    assert "window too short (12 steps; a slope needs 30)" in report
+    assert "no trend stated: a summary window is too short for a slope" in report
+    assert compare.round_to_interval(49.487, -88.1279, 187.1019) == ("+50", "-90", "+190")
+    assert compare.round_to_interval(0.0451, 0.0328, 0.0574) == ("+0.045", "+0.033", "+0.057")
+    assert compare.round_to_interval(2.0, 2.0, 2.0) == ("+2", "+2", "+2")  # an exact fit keeps its digits
+    long_a = write_run(tmp_path, "fp8_long", baseline_loss() * 1.001, run_config())
+    long = compare.compare([(long_a, write_run(tmp_path, "bf16_long", baseline_loss(), run_config()))],
+                           out_dir=tmp_path / "long")
+    p = long.pairs[0]
+    text = compare.slope_text(p)
+    assert p.window_steps == 40 and text == "{} [{}, {}]".format(*compare.round_to_interval(
+        p.slope.per_step * 1e5, p.slope.ci_low * 1e5, p.slope.ci_high * 1e5))
+
+
+def test_the_health_plot_marks_each_sampled_step(tmp_path):
+    run = compare.load_run(write_run(tmp_path, "h", baseline_loss()[:20], run_config(), health=True))  # 2 samples
+    plt = compare._plt()
+    fig = compare.fp8_health_figure(plt, [run])
+    lines = [line for ax in fig.axes for line in ax.get_lines()]
+    assert lines and all(line.get_marker() == "o" and len(line.get_xdata()) == 2 for line in lines)
+    assert "(2 sampled steps)" in fig.axes[0].get_title()
+    plt.close(fig)
+
+
+def test_the_loss_plot_smooths_as_its_label_says(tmp_path):
+    plt = compare._plt()
+    long = compare.load_run(write_run(tmp_path, "long", baseline_loss(), run_config()))
+    fig = compare.loss_figure(plt, [(long, long)], [], "loss")
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "loss (moving average over 11 steps; faint: per step)"
+    raw, averaged = (line.get_ydata() for line in ax.get_lines())
+    assert np.allclose(raw, long.series("loss")[1]) and np.allclose(averaged, compare.smooth(raw, 11))
+    truth = 2.0 + 8.0 * np.exp(-np.arange(1, COMPARE_STEPS + 1) / 40)  # baseline_loss without its noise
+    inner = slice(20, -20)  # past the steep start, where a moving average lags
+    assert np.std((averaged - truth)[inner]) < 0.5 * np.std((raw - truth)[inner])  # visibly smoother
+    plt.close(fig)
+    short = compare.load_run(write_run(tmp_path, "short", baseline_loss()[:20], run_config()))
+    fig = compare.loss_figure(plt, [(short, short)], [], "loss")
+    assert fig.axes[0].get_ylabel() == "loss (per step)" and len(fig.axes[0].get_lines()) == 1
+    plt.close(fig)
+
+
+def test_unexpected_config_differences_come_first(tmp_path):
+    base = baseline_loss()
+    expected = {"precision.name": "fp8", "optim.name": "fp8_adamw", "train.seed": 2, "train.save_every": 10,
+                "logging.level": "debug"}
+    b = write_run(tmp_path, "bf16", base, run_config())
+    a = write_run(tmp_path, "fp8", base, run_config(**expected, **{"optim.lr": 1e-3}))
+    with pytest.warns(compare.ConfigMismatchWarning):
+        compare.compare([(a, b)], out_dir=tmp_path / "out")
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "⚠ **fp8 vs bf16: 1 unexpected config difference**" in report.split("## Plots")[0]
+    section = report.split("## Config differences")[1]
+    assert section.index("`optim.lr`") < section.index("<details>") < section.index("`precision.name`")
+    assert "⚠ 1 unexpected difference (beyond precision, optimizer, seed and bookkeeping):" in section
+    assert "6 expected differences (precision, optimizer, seed, bookkeeping)</summary>" in section

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ling.analysis.evaluate import evaluate, run_eval, split_steps
+from ling.analysis.evaluate import (
+    SYNTHETIC_BATCHES,
+    evaluate,
+    requested_batches,
+    run_eval,
+    split_batches,
+    split_steps,
+)
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
@@ -179,6 +189,64 @@ def test_eval_py_end_to_end(tiny_runs):
     # the same weights give the same figure on the same batches (here found from the checkpoints folder)
     again = run_eval(eval_cfg(checkpoint=run / "checkpoints", batches=3, output=run / "again.json"))
     assert again["metrics"]["lm_loss"] == m["lm_loss"]
+
+
+@pytest.mark.slow
+def test_eval_py_takes_a_sample_by_default_and_the_whole_split_with_batches_all(tiny_runs):
+    """The default is 20 micro-batches spread over the split (the tiny_cpu demo's whole validation split: 123 of
+    them, a half-hour on a busy 2-core CPU); `batches=all` (or null, as before) is the whole split once."""
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(ROOT / "conf" / "eval.yaml").batches == 20
+    rec = run_eval(eval_cfg(checkpoint=tiny_runs / "bf16", output=tiny_runs / "default.json"))
+    assert rec["metrics"]["batches"] == 20 and rec["split_batches"] > 20
+    assert requested_batches("all", synthetic=False) is None and requested_batches(None, synthetic=False) is None
+    assert requested_batches("all", synthetic=True) == SYNTHETIC_BATCHES and requested_batches(7, synthetic=True) == 7
+    for bad in (0, -3, "some", 2.5, True):
+        with pytest.raises(ValueError, match="want a positive number of micro-batches, or all"):
+            requested_batches(bad, synthetic=False)
+
+
+def test_a_sample_is_spread_over_the_split():
+    class Counting:  # micro-batch i of the split is {"i": i}
+        def __init__(self):
+            self.i = -1
+
+        def next_batch(self):
+            self.i += 1
+            return {"i": self.i}
+
+    assert [b["i"] for b in split_batches(Counting(), 4, whole=10)] == [0, 2, 5, 7]
+    assert [b["i"] for b in split_batches(Counting(), 3, whole=None)] == [0, 1, 2]  # no size: the first ones
+    assert [b["i"] for b in split_batches(Counting(), 5, whole=5)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_eval_py_with_a_line_not_a_traceback(tiny_runs):
+    """SIGINT (Ctrl-C) while eval.py evaluates the whole train split: exit code 130, one line, no result file."""
+    out = tiny_runs / "interrupted.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "eval.py", f"checkpoint={tiny_runs / 'bf16'}", "split=train",
+                             "batches=all", "progress_bar=true", f"output={out}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
+    reader.start()
+    try:
+        t0 = time.monotonic()
+        while "eval:" not in "".join(err):  # tqdm's bar: the evaluation has started
+            assert proc.poll() is None, "".join(err)[-3000:]
+            assert time.monotonic() - t0 < 900, "eval.py did not start evaluating: " + "".join(err)[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=600)  # generous deadlines: on a loaded 2-core machine a start takes minutes
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    said = "".join(err)
+    assert proc.returncode == 130, said[-3000:]
+    assert "eval.py: interrupted; no result written" in said and "Traceback" not in said
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -175,6 +175,25 @@ def test_both_profiles_of_one_variant_take_its_last_two_steps(monkeypatch):
                     "--warmup", "3"])
 
 
+def wait_until(condition, deadline_s: float, what: str) -> None:
+    """Poll `condition()` until it is true; fail naming `what` after `deadline_s` seconds (a generous deadline: a
+    process start takes seconds on a loaded machine, not a fixed share of one)."""
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > deadline_s:
+            pytest.fail(f"{what}: not after {deadline_s:.0f} s")
+        time.sleep(0.05)
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (a zombie, reaped by init shortly, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+
+
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="PR_SET_PDEATHSIG is Linux only")
 def test_a_row_process_that_ignores_sigterm_still_dies_with_the_bench(tmp_path):
     """train.py answers SIGTERM with a checkpoint (minutes of GPU memory held on e64): a row's process must be
@@ -187,29 +206,20 @@ import importlib.util
 spec = importlib.util.spec_from_file_location("bench_train", {str(ROOT / "bench" / "bench_train.py")!r})
 bench = importlib.util.module_from_spec(spec); spec.loader.exec_module(bench)
 child = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
-        "open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+        "open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); " \\
+        "os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(3600)"
 subprocess.Popen([sys.executable, "-c", child], preexec_fn=bench._die_with_parent)
-time.sleep(60)
+time.sleep(3600)
 """
     proc = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT)
-    for _ in range(200):  # the child writes its pid once it ignores SIGTERM
-        if pid_file.exists() and pid_file.read_text():
-            break
-        time.sleep(0.05)
+    try:  # the child writes its pid (whole, by a rename) once it ignores SIGTERM
+        wait_until(pid_file.exists, 300, f"the row process to start and write {pid_file}")
+    finally:
+        proc.kill()
+        proc.wait()
     child_pid = int(pid_file.read_text())
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    for _ in range(100):
-        try:
-            os.kill(child_pid, 0)
-        except ProcessLookupError:
-            return  # gone
-        # a zombie (reaped by init shortly) counts as gone
-        try:
-            if Path(f"/proc/{child_pid}/stat").read_text().split()[2] == "Z":
-                return
-        except FileNotFoundError:
-            return
-        time.sleep(0.05)
-    os.kill(child_pid, signal.SIGKILL)
-    pytest.fail("the row process outlived the bench")
+    try:
+        wait_until(lambda: gone(child_pid), 120, "the row process to die with the bench")
+    except BaseException:
+        os.kill(child_pid, signal.SIGKILL)
+        raise

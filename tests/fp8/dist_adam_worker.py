@@ -76,6 +76,10 @@ def main() -> None:
 
     import deepspeed
 
+    from ling.deepspeed_ops import skip_unused_op_builds
+
+    # as the trainer starts DeepSpeed: no JIT build of its CPU shared-memory op
+    skip_unused_op_builds(report=os.environ.get("RANK", "0") == "0")
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ.get("RANK", "0"))
     engine = make_engine(args.stage)
