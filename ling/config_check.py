@@ -169,7 +169,8 @@ SPEC: dict[str, Any] = {
         "overwrite": flag(), "on_locked": one_of("fail", "wait"), "max_bad_steps": integer(1),
         "inject_nan_steps": list_of(integer(1)), "init_from": text(null=True), "bias_update": flag(),
         "peak_tflops": number(above=0, null=True), "profile_step": integer(2, null=True), "profile_trace": flag(),
-        "profile_python_step": integer(2, null=True),
+        "profile_python_step": integer(2, null=True), "async_save": flag(), "inject_save_delay_s": number(0),
+        "inject_save_enospc_after_bytes": integer(0, null=True), "memory_check": flag(),
     },
     "moe": {"pad_for_fp8": flag(null=True), "pad_multiple": integer(1), "ep_size": integer(1)},
     "logging": {

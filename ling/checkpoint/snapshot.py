@@ -137,6 +137,8 @@ def snapshot(obj: Any, buffers: HostBuffers, allocate_only: bool = False) -> Any
     `allocate_only`: only the buffers are taken (HostBuffers.preallocate); the result is not a copy."""
     if isinstance(obj, torch.Tensor):
         return buffers.copy(obj, allocate_only)
+    if isinstance(obj, torch.Size):  # a shape is a leaf: its items are ints
+        return obj
     if allocate_only and not isinstance(obj, (dict, list, tuple)):
         return None
     if isinstance(obj, dict):

@@ -211,3 +211,15 @@ def test_gpu_buffers_are_pinned_ahead_so_the_first_save_copies_at_pinned_speed_t
     assert all(torch.equal(loaded[n], at_save[n]) for n in at_save)
     assert pending.stall_s < 5
     saver.close()
+
+
+def test_preallocating_walks_states_holding_shapes_and_the_snapshot_copies_them():
+    """DeepSpeed's optimizer state holds torch.Size leaves (its partition shapes): preallocation must take them as
+    leaves (a Size of Nones cannot be built), and the snapshot copies them and every tensor exactly."""
+    state = {"shapes": [torch.Size([3, 4]), (torch.Size([2]), 5)], "t": torch.randn(3, 4), "step": 7}
+    buffers = HostBuffers(keep=True)
+    buffers.preallocate([state])
+    buffers.begin()
+    copy = snapshot(state, buffers)
+    assert copy["shapes"] == [torch.Size([3, 4]), (torch.Size([2]), 5)] and copy["step"] == 7
+    assert torch.equal(copy["t"], state["t"]) and copy["t"].data_ptr() != state["t"].data_ptr()
