@@ -485,6 +485,8 @@ class Trainer:
         except CheckpointWriteError as e:
             self._checkpoint_failed(step, e)
         self.last_checkpoint = done.final
+        if done.write is None:  # a synchronous save: training waited for the write and the hashing too
+            self.save_stall_s += done.write_s
         where = "in the background" if done.write is not None else "while training waited"
         log.info("saved checkpoint %s (snapshot %.1f s; written and hashed in %.1f s %s)", done.final, done.stall_s,
                  done.write_s, where)

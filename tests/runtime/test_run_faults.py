@@ -107,6 +107,10 @@ def test_a_full_disk_during_a_save_names_the_folder_and_keeps_the_previous_check
     exit code 2, a message naming the folder, the file and the space needed, in train.log too; no .partial
     left, step 4 intact. Resumed in place once there is space, the run reproduces the uninterrupted one."""
     run_train(tmp_path, 1, [*BASE, "train.stop_at=4", "train.async_save=false"])
+    waited = r"written and hashed in ([\d.]+) s while training waited"
+    writes = [float(w) for w in re.findall(waited, train_log(tmp_path))]
+    # a synchronous save stalls training for its snapshot and its write (the log rounds each to 0.1 s)
+    assert len(writes) == 2 and summary(tmp_path)["checkpoint_stall_s"] >= sum(writes) - 0.05 * len(writes)
     _, proc = run_train(tmp_path, 1, [*BASE, "train.inject_save_enospc_after_bytes=100000"], expect_rc=2)
     ckpts = tmp_path / "checkpoints"
     message = (f"checkpoint step00000006 could not be written to {ckpts}: rank 0: no space left on device writing "
