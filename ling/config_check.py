@@ -179,7 +179,7 @@ SPEC: dict[str, Any] = {
                   "tags": list_of(text())},
     },
     "optim": {  # OPTIM_KEYS, and FP8_OPTIM_KEYS with optim.name=fp8_adamw (ling/train/engine.py)
-        "name": one_of("adamw", "fp8_adamw"), "lr": number(above=0), "betas": list_of(number(0, below=1), 2),
+        "name": one_of("adamw", "fp8_adamw"), "lr": number(0), "betas": list_of(number(0, below=1), 2),
         "eps": number(0), "weight_decay": number(0), "grad_clip": number(0),
         "schedule": one_of("cosine", "wsd", "constant"), "warmup_steps": integer(0), "min_lr_ratio": number(0, 1),
         "decay_fraction": number(0, 1), "block_size": power_of_two(16, 4096), "min_fp8_numel": integer(0),

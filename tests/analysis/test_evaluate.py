@@ -226,9 +226,12 @@ def test_ctrl_c_stops_eval_py_with_a_line_not_a_traceback(tiny_runs):
     """SIGINT (Ctrl-C) while eval.py evaluates the whole train split: exit code 130, one line, no result file."""
     out = tiny_runs / "interrupted.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # SIGINT as a terminal's Ctrl-C finds it: a shell's background job (pytest run with &) ignores SIGINT, and a
+    # child inherits that
     proc = subprocess.Popen([sys.executable, "eval.py", f"checkpoint={tiny_runs / 'bf16'}", "split=train",
                              "batches=all", "progress_bar=true", f"output={out}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")), daemon=True)
     reader.start()

@@ -68,7 +68,7 @@ def test_the_tests_run_configs_pass():
     # the cases (#28 item 3)
     (["+train.stepz=5"], "train.stepz: unknown key; did you mean train.steps?"),
     (["train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
-    (["optim.lr=-0.001"], "optim.lr: must be > 0, got -0.001"),
+    (["optim.lr=-0.001"], "optim.lr: must be >= 0, got -0.001"),
     (["train.init_from=/missing"], "train.init_from=/missing: no such file or directory"),
     (["model.num_experts=10"], "model.num_expert_groups: num_expert_groups=4 must divide num_experts=10"),
     # nested, other groups, other kinds of problem
