@@ -1,5 +1,6 @@
 """This process's place among the ranks, and the few collectives of Python objects the runtime needs (no-ops
-without torch.distributed). Imports nothing of the project at the top (init_distributed: ling.deepspeed_ops)."""
+without torch.distributed). Imports nothing of the project at the top (init_distributed:
+ling.train.deepspeed_compat)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def init_distributed() -> None:
     # import this module before they quieten library output (ling.train.logger.quiet_library_noise)
     import deepspeed
 
-    from ling.deepspeed_ops import skip_unused_op_builds
+    from ling.train.deepspeed_compat import skip_unused_op_builds
 
     skip_unused_op_builds(report=env_rank() == 0)  # no JIT build of DeepSpeed's CPU shared-memory op, no lock wait
     if "RANK" not in os.environ:  # plain `python train.py`: a one-process group on a free local port

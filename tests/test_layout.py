@@ -28,8 +28,8 @@ LAZY_IMPORTS = {
     ("data.prepare", "data.text_loader"): "pulls in `datasets` and sentencepiece (seconds); only a preparation run "
                                           "needs them",
     ("data.loader", "data.synthetic"): "picked by name beside data.text_loader; no start-up cost of its own",
-    ("ling.ranks", "ling.deepspeed_ops"): "imports DeepSpeed (seconds, and a banner): loaded where init_distributed "
-                                          "starts DeepSpeed, as ling.ranks imports deepspeed itself",
+    ("ling.ranks", "ling.train.deepspeed_compat"): "imports DeepSpeed (seconds, and a banner): loaded where "
+                                                   "init_distributed starts DeepSpeed",
 }
 
 

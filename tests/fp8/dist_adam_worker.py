@@ -76,7 +76,7 @@ def main() -> None:
 
     import deepspeed
 
-    from ling.deepspeed_ops import skip_unused_op_builds
+    from ling.train.deepspeed_compat import skip_unused_op_builds
 
     # as the trainer starts DeepSpeed: no JIT build of its CPU shared-memory op
     skip_unused_op_builds(report=os.environ.get("RANK", "0") == "0")

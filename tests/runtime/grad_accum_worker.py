@@ -90,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
-    from ling.deepspeed_ops import skip_unused_op_builds
+    from ling.train.deepspeed_compat import skip_unused_op_builds
 
     # as the trainer starts DeepSpeed: no JIT build of its CPU shared-memory op
     skip_unused_op_builds(report=os.environ.get("RANK", "0") == "0")

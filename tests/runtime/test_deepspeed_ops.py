@@ -1,9 +1,9 @@
-"""Start-up builds nothing and waits on no lock (ling/deepspeed_ops.py): DeepSpeed's CPU shared-memory op is not
-JIT-built, a run killed at start-up leaves nothing that holds up the next one, and a build lock left by a killed
+"""Start-up builds nothing and waits on no lock (ling/train/deepspeed_compat.py): DeepSpeed's CPU shared-memory op
+is not JIT-built, a run killed at start-up leaves nothing that holds up the next one, and a build lock left by a killed
 build (the way torch's FileBaton leaves it: an empty file) neither hangs a run nor goes unmentioned.
 
 Each test has its own torch extension cache (TORCH_EXTENSIONS_DIR), so a fresh machine's first run is what runs.
-Before ling/deepspeed_ops.py, the first run built the op for 88 s holding `deepspeed_shm_comm/lock`, and a run
+Before ling/train/deepspeed_compat.py, the first run built the op for 88 s holding `deepspeed_shm_comm/lock`, and a run
 started while the lock file existed waited on it forever: the deadlines below are what such a run fails."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
 
-from ling.deepspeed_ops import LOCK_FILE, SHM_COMM_OP
+from ling.train.deepspeed_compat import LOCK_FILE, SHM_COMM_OP
 from tests.helpers import COMMON, ROOT, metrics_of
 
 RUN = [*COMMON, "train.steps=2", "train.save_every=0", "train.save_final=false"]
