@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 
 import pytest
 import torch
@@ -31,16 +30,7 @@ from fp8.adam import (
     stochastic_round_e4m3,
 )
 from fp8.quant import e4m3_code_distance
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def setup_device(device: str, request) -> None:
-    """CPU: the kernel runs in the interpreter, whose float32->e4m3 cast needs the fix (triton #8322)."""
-    if device == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
-        request.getfixturevalue("triton_interpreter")
+from tests.helpers import DEVICES, setup_device
 
 
 def random_state(n: int, bs: int, gen: torch.Generator, device: str, grad_dtype=torch.float32, fp32=()):
