@@ -21,6 +21,7 @@ MOE_KEYS = {"pad_for_fp8": "pad_for_fp8", "pad_multiple": "moe_pad_multiple", "e
 # GEMM operands (fp8.linear.ABLATION_COMPONENTS), the routed experts as a whole, FP8AdamW's two moments.
 ADAM_ABLATIONS = {"adam_m": "exp_avg", "adam_v": "exp_avg_sq"}
 EXPERTS_ABLATION = "experts"
+FRESH = ("none", "null", "None", "")  # train.resume values that start a run afresh
 
 
 def model_config_from(cfg: DictConfig, vocab_size_from_data: int | None) -> ModelConfig:

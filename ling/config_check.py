@@ -30,7 +30,7 @@ from data.synthetic import SyntheticLoader
 from fp8.adam import ROUNDINGS
 from fp8.monitor import KINDS, MonitorConfig
 from ling.analysis.profiling import StepProfiler
-from ling.config import MOE_KEYS, fp8_ablation, model_config_from, resolve_device
+from ling.config import FRESH, MOE_KEYS, fp8_ablation, model_config_from, resolve_device
 from ling.ranks import barrier, env_rank, env_world_size
 from ling.train.engine import (
     FP8_OPTIM_KEYS,
@@ -47,7 +47,6 @@ from model.config import COMPILE_OPS, DOCUMENT_ATTENTION, EXPERT_WGRAD, RECOMPUT
 
 MISSING = "???"  # OmegaConf's mark of a value that must be given
 # train.resume values that start fresh; anything else but "auto" names a checkpoint folder
-FRESH = ("none", "null", "None", "")
 
 Check = Callable[[Any], "str | None"]  # a value -> what is wrong with it, or None
 

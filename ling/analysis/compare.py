@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from ling.checkpoint.layout import METRICS, RESOLVED_CONFIG
+
 # Config keys two runs of a comparison may differ in without a warning: what makes the FP8 / BF16 twin (the
 # precision recipe, the optimizer's moment format), the seed of a seed sweep, bookkeeping, and what makes a branch
 # of a trunk (scripts/parity_branch.sh: where it starts and stops, its checkpoints and validation cadence).
@@ -88,7 +90,7 @@ def load_run(path: str | Path) -> Run:
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"run {p}: no such folder")
-    log = p / "metrics.jsonl"
+    log = p / METRICS
     if not log.is_file():
         raise FileNotFoundError(f"run {p}: no metrics.jsonl (not a run dir, or trained with logging.jsonl=false)")
     by_step: dict[int, dict[str, Any]] = {}
@@ -109,7 +111,7 @@ def load_run(path: str | Path) -> Run:
     keys = sorted({k for rec in by_step.values() for k, v in rec.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
     metrics = {k: np.array([_num(by_step[s].get(k)) for s in steps], dtype=np.float64) for k in keys}
-    conf_path = p / "resolved_config.yaml"
+    conf_path = p / RESOLVED_CONFIG
     config = _flatten(OmegaConf.to_container(OmegaConf.load(conf_path))) if conf_path.is_file() else {}
     if not config:
         warnings.warn(f"run {p}: no resolved_config.yaml; its config cannot be compared", stacklevel=2)

@@ -25,6 +25,7 @@ from data import build_loader
 from fp8.linear import ABLATION_COMPONENTS, EMULATED
 from ling.analysis.step_error import format_step_errors, step_errors
 from ling.checkpoint.hf import load_hf_checkpoint, read_hf_config
+from ling.checkpoint.layout import RESOLVED_CONFIG
 from ling.checkpoint.weights import config_changes, find_checkpoint, load_into, read_model_state
 from ling.config import EXPERTS_ABLATION, apply_fp8_ablation, fp8_model_options, model_config_from, resolve_device
 from ling.files import atomic_write
@@ -180,7 +181,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / "resolved_config.yaml").is_file()
+    return (path / "config.json").is_file() and not (path / RESOLVED_CONFIG).is_file()
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:

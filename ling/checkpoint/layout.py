@@ -19,6 +19,8 @@ MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's module state under Ze
 ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 ZERO_OPTIM_STATES = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # DeepSpeed prefixes "bf16_" with bf16
 RESOLVED_CONFIG = "resolved_config.yaml"  # in the run dir: the run's whole config, resolved
+METRICS = "metrics.jsonl"  # in the run dir: one line per step
+SUMMARY = "summary.json"  # in the run dir: the closing summary
 RUN_TOKENIZER = "tokenizer"  # in the run dir: a copy of the tokenizer the run trained with (text data only)
 
 

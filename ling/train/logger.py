@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from ling.checkpoint.layout import METRICS
 from ling.files import atomic_write
 
 log = logging.getLogger("ling")
@@ -205,7 +206,7 @@ class MetricsLogger:
             return
         log_cfg = cfg.logging
         if log_cfg.jsonl:
-            self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+            self.jsonl = open(run_dir / METRICS, "a", buffering=1)  # noqa: SIM115 (closed in close())
         if log_cfg.progress_bar:
             # disable=None: no bar when stderr is not a terminal (batch jobs get the step lines instead)
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, disable=None)

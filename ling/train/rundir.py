@@ -23,7 +23,7 @@ from typing import IO
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ling.checkpoint.layout import step_of
+from ling.checkpoint.layout import METRICS, SUMMARY, step_of
 from ling.files import atomic_write
 from ling.ranks import broadcast, rank_world
 from ling.train.launch import StopRun
@@ -99,7 +99,7 @@ def locked_run_dir(run_dir: Path, wait: bool = False, poll_s: float = 5.0) -> It
 def previous_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
     """What an earlier run left in the run dir: its metrics and checkpoints, described for a message."""
     found = []
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append(f"metrics.jsonl ({len(metrics.read_text().splitlines())} lines)")
     if ckpt_dir.is_dir():
@@ -111,7 +111,7 @@ def previous_run(run_dir: Path, ckpt_dir: Path) -> list[str]:
 
 def clear_previous_run(run_dir: Path, ckpt_dir: Path) -> None:
     """Delete an earlier run's metrics, summary and checkpoints (train.overwrite=true); rank 0 only."""
-    for name in ("metrics.jsonl", "summary.json"):
+    for name in (METRICS, SUMMARY):
         (run_dir / name).unlink(missing_ok=True)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 

@@ -36,11 +36,11 @@ from fp8.monitor import FP8Monitor, MonitorConfig
 from ling.analysis.evaluate import evaluate
 from ling.analysis.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
 from ling.checkpoint import store as checkpoint
-from ling.checkpoint.layout import MANIFEST, PARTIAL, RESOLVED_CONFIG, step_of
+from ling.checkpoint.layout import MANIFEST, METRICS, PARTIAL, RESOLVED_CONFIG, SUMMARY, step_of
 from ling.checkpoint.snapshot import SaveFaults
 from ling.checkpoint.store import CheckpointWriteError
 from ling.checkpoint.weights import save_run_tokenizer
-from ling.config import model_config_from, resolve_device
+from ling.config import FRESH, model_config_from, resolve_device
 from ling.files import atomic_write
 from ling.ranks import barrier, broadcast, env_rank, init_distributed, rank_world
 from ling.train.determinism import deterministic_mode
@@ -58,7 +58,6 @@ from model.ling import count_parameters
 from model.moe import update_expert_biases
 
 log = logging.getLogger(__name__)
-FRESH = ("none", "null", "None", "")
 # (run config, model config, device) → (DeepSpeed engine, lr scheduler): how the trainer gets its engine
 EngineFactory = Callable[[DictConfig, ModelConfig, torch.device], tuple[Any, Any]]
 
@@ -205,7 +204,7 @@ class Trainer:
             self.guard.load_state_dict(state.get("guard", {}))
             self.monitor.load_state_dict(state.get("fp8_monitor", {}))  # layers switched to BF16 stay so
         if self.rank == 0:
-            dropped = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
+            dropped = truncate_metrics(run_dir / METRICS, self.start_step)
             if dropped:
                 log.info("metrics.jsonl: dropped %d lines after step %d (they are trained again)", dropped,
                          self.start_step)
@@ -290,7 +289,7 @@ class Trainer:
 
     def _read_summary(self) -> dict[str, Any] | None:
         try:
-            return json.loads((self.run_dir / "summary.json").read_text())
+            return json.loads((self.run_dir / SUMMARY).read_text())
         except (OSError, ValueError):
             return None
 
@@ -526,7 +525,7 @@ class Trainer:
             "checkpoint_stall_s": self.save_stall_s, "exit_code": exit_code,
         }
         if self.rank == 0:
-            atomic_write(self.run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+            atomic_write(self.run_dir / SUMMARY, lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
             fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
             log.info("run %s: %s at step %d/%d (%d non-finite steps skipped)", self.run_dir, outcome, step,
                      self.total_steps, self.guard.total)
