@@ -23,13 +23,14 @@ import torch
 
 from fp8.format import BLOCK, E4M3
 from fp8.quant import dequantize_1x128, dequantize_128x128
+from fp8.triton_blocks import promotion_code
 from kernels.backend import HAS_TRITON, cdiv, interpreting, num_sms, tl, tma_compatible, triton, use_triton
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8.triton_blocks import b_scale_ptrs, promote
+    from fp8.triton_blocks import b_scale_ptrs, promote, tma_k_loop
 
 __all__ = [
     "GEMM_TUNING",
@@ -55,6 +56,10 @@ class GemmConfig:
     tma: bool = False  # operands through TMA tensor descriptors (needs 16-byte aligned rows)
     persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
     warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
+    promotion: str = "inline"  # the TMA kernel's K-loop schedule, one of PROMOTIONS (fp8/triton_blocks.py)
+
+    def __post_init__(self) -> None:
+        promotion_code(self.promotion)  # names the valid schedules when this one is not
 
 
 # The defaults. On the H200 every GEMM of the Ling-mini shapes is fastest with TMA + persistent grid + warp
@@ -178,10 +183,11 @@ if HAS_TRITON:
         M, N, K,
         stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, PROMOTE: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
-        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid)."""
+        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid). PROMOTE: the K
+        loop's promotion schedule (`tma_k_loop`)."""
         BLOCK_K: tl.constexpr = 128
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         num_kb = tl.cdiv(K, BLOCK_K)
@@ -194,12 +200,8 @@ if HAS_TRITON:
             as_ptrs = as_ptr + offs_am * stride_asm
             bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in tl.range(0, num_kb, warp_specialize=WS):
-                a = a_desc.load([off_m, kb * BLOCK_K])
-                b = b_desc.load([off_n, kb * BLOCK_K])
-                sa = tl.load(as_ptrs + kb * stride_ask)
-                sb = tl.load(bs_ptrs + kb * stride_bsk)
-                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, B_BLOCKWISE and BLOCK_N == 128)
+            acc = tma_k_loop(acc, a_desc, b_desc, off_m, off_n, 0, num_kb, as_ptrs, stride_ask, bs_ptrs, stride_bsk,
+                             B_BLOCKWISE and BLOCK_N == 128, PROMOTE, WS)  # fmt: skip
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -242,7 +244,8 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfi
             a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, PROMOTE=promotion_code(cfg.promotion),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)

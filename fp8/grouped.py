@@ -53,6 +53,7 @@ from fp8.quant import (
     quantize_1x128_triton,
     quantize_128x128,
 )
+from fp8.triton_blocks import promotion_code
 from kernels.backend import HAS_TRITON, cdiv, num_sms, tl, tma_compatible, triton, use_triton
 from kernels.fusable import Fusable
 from kernels.rows import gather_rows, gather_rows_ref, sum_rows
@@ -61,7 +62,7 @@ from kernels.tuning import Tuning
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl
+    from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl, tma_k_loop
 
 __all__ = [
     "GroupedRows",
@@ -287,10 +288,11 @@ if HAS_TRITON:
         stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr, STEPS: tl.constexpr,
-        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr,
+        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
     ):  # fmt: skip
         """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
-        tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile."""
+        tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile. With
+        TMA the K loop is `tma_k_loop` with schedule PROMOTE; else pointer loads (any strides, K tails masked)."""
         BLOCK_K: tl.constexpr = 128
         num_n = tl.cdiv(N, BLOCK_N)
         num_tiles = tl.load(tiles_ptr + G) * num_n
@@ -314,20 +316,21 @@ if HAS_TRITON:
             a_ptrs = a_ptr + offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + offs_bn[:, None] * stride_bn + offs_k[None, :] * stride_bk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in tl.range(0, num_kb, warp_specialize=WS):
-                if TMA:
-                    a = a_desc.load([row0, kb * BLOCK_K])
-                    b = b_desc.load([g * N + n0, kb * BLOCK_K])
-                elif EVEN_K:
-                    a = tl.load(a_ptrs + kb * BLOCK_K * stride_ak)
-                    b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk)
-                else:
-                    k_ok = offs_k < K - kb * BLOCK_K
-                    a = tl.load(a_ptrs + kb * BLOCK_K * stride_ak, mask=k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk, mask=k_ok[None, :], other=0.0)
-                sa = tl.load(as_ptrs + kb * stride_ask)
-                sb = tl.load(bs_ptrs + kb * stride_bsk)
-                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
+            if TMA:
+                acc = tma_k_loop(acc, a_desc, b_desc, row0, g * N + n0, 0, num_kb, as_ptrs, stride_ask, bs_ptrs,
+                                 stride_bsk, BLOCK_N == 128, PROMOTE, WS)  # fmt: skip
+            else:
+                for kb in tl.range(0, num_kb):
+                    if EVEN_K:
+                        a = tl.load(a_ptrs + kb * BLOCK_K * stride_ak)
+                        b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk)
+                    else:
+                        k_ok = offs_k < K - kb * BLOCK_K
+                        a = tl.load(a_ptrs + kb * BLOCK_K * stride_ak, mask=k_ok[None, :], other=0.0)
+                        b = tl.load(b_ptrs + kb * BLOCK_K * stride_bk, mask=k_ok[None, :], other=0.0)
+                    sa = tl.load(as_ptrs + kb * stride_ask)
+                    sb = tl.load(bs_ptrs + kb * stride_bsk)
+                    acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, BLOCK_N == 128)
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
             tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < seg_end)[:, None] & (offs_n < N)[None, :])
 
@@ -338,13 +341,13 @@ if HAS_TRITON:
         stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
         stride_asn, stride_asb, stride_bsk, stride_bsb,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
-        TMA_STORE: tl.constexpr,
+        TMA_STORE: tl.constexpr, PROMOTE: tl.constexpr,
     ):  # fmt: skip
         """k-grouped wgrad: out[g] tile = Σ_j dot(a[n-tile, block b0+j], b[k-tile, block b0+j]ᵀ)·sa·sb over
         expert g's token blocks b0 = blocks[g] … blocks[g+1] − 1 of the block-aligned operands (whole 128-column
         boxes: TMA loads from one descriptor each, no masks). Persistent grid over (expert, n-tile, k-tile)
         work items, k-tiles fastest so that neighbouring programs share the a tile; an expert without tokens
-        gets an exact zero tile."""
+        gets an exact zero tile. With TMA the token loop is `tma_k_loop` with schedule PROMOTE."""
         num_n = tl.cdiv(N, BLOCK_N)
         num_k = tl.cdiv(K, BLOCK_K)
         per_g = num_n * num_k
@@ -362,17 +365,20 @@ if HAS_TRITON:
             n_ld = tl.minimum(n0 + rn, N - 1)  # tail rows load valid ones (never stored)
             k_ld = tl.minimum(k0 + rk, K - 1)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for j in tl.range(0, nblk):
-                col = (b0 + j) * 128
-                if TMA:
-                    a = a_desc.load([n0, col])
-                    b = b_desc.load([k0, col])
-                else:
+            as_ptrs = as_ptr + n_ld * stride_asn + b0 * stride_asb
+            bs_ptrs = bs_ptr + k_ld * stride_bsk + b0 * stride_bsb
+            if TMA:
+                if nblk > 0:
+                    acc = tma_k_loop(acc, a_desc, b_desc, n0, k0, b0 * 128, nblk, as_ptrs, stride_asb, bs_ptrs,
+                                     stride_bsb, False, PROMOTE, False)  # fmt: skip
+            else:
+                for j in tl.range(0, nblk):
+                    col = (b0 + j) * 128
                     a = tl.load(a_ptr + n_ld[:, None].to(tl.int64) * stride_an + (col + rt)[None, :] * stride_am)
                     b = tl.load(b_ptr + k_ld[:, None].to(tl.int64) * stride_bk + (col + rt)[None, :] * stride_bm)
-                sa = tl.load(as_ptr + n_ld * stride_asn + (b0 + j) * stride_asb)
-                sb = tl.load(bs_ptr + k_ld * stride_bsk + (b0 + j) * stride_bsb)
-                acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
+                    sa = tl.load(as_ptrs + j * stride_asb)
+                    sb = tl.load(bs_ptrs + j * stride_bsb)
+                    acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
             if TMA_STORE:  # the [G·N, K] view: an n-tile never straddles two experts (N % BLOCK_N == 0)
                 c_desc.store([g * N + n0, k0], acc.to(c_desc.dtype))
             else:
@@ -535,6 +541,10 @@ class GroupedGemmConfig:
     tma: bool = True
     warp_specialize: bool = False
     programs_per_sm: int = 1
+    promotion: str = "inline"  # the TMA K loop's schedule, one of PROMOTIONS (fp8/triton_blocks.py)
+
+    def __post_init__(self) -> None:
+        promotion_code(self.promotion)  # names the valid schedules when this one is not
 
 
 @dataclass(frozen=True)
@@ -609,7 +619,8 @@ def grouped_gemm(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
-        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, PROMOTE=promotion_code(cfg.promotion),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
@@ -654,7 +665,7 @@ def grouped_gemm_wgrad(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PROMOTE=promotion_code(cfg.promotion), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
