@@ -41,15 +41,12 @@ from fp8.quant import (  # noqa: E402
     quantize_1x128_transposed,
     quantize_128x128,
 )
-from fp8.triton_blocks import PROMOTIONS  # noqa: E402
 
-SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120)}
+SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120),
+          "shared_gate_up": (1024, 2048), "shared_down": (2048, 512)}  # (N, K) of every Ling-mini FP8Linear
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # default fprop/dgrad
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),  # default wgrad
-    # the K loop's other promotion schedules (fp8/triton_blocks.py `tma_k_loop`), with and without warp specialization
-    *(GemmConfig(128, 128, 8, 8, stages, tma=True, persistent=True, warp_specialize=ws, promotion=promotion)
-      for promotion in PROMOTIONS[1:] for stages in (4, 3) for ws in (True, False)),  # fmt: skip
     GemmConfig(128, 128, 16, 8, 4, tma=True, persistent=True, warp_specialize=True),
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),

@@ -23,7 +23,6 @@ split sizes). Timed with a fixed number of iterations so that every rank issues 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import sys
@@ -40,7 +39,6 @@ from bench_fp8_linear import gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
 from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
-from fp8.triton_blocks import PROMOTIONS  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
 from model.moe import MoE, Router  # noqa: E402
@@ -334,11 +332,6 @@ def sweep(tokens: int, experts: int) -> list[dict]:
         with G.GROUPED_TUNING.override(fprop=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
                 timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
-    for promotion in PROMOTIONS[1:]:  # the defaults with the K loop's other promotion schedules
-        cfg = dataclasses.replace(G.GROUPED_TUNING.current().fprop, promotion=promotion)
-        with G.GROUPED_TUNING.override(fprop=cfg):
-            for n, k, xq, xs, wq, ws in fprop_cases:
-                timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
     wgrad_cases = []
     for n, k in ((2 * INTER, H), (H, INTER)):
         wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),
@@ -347,14 +340,6 @@ def sweep(tokens: int, experts: int) -> list[dict]:
                    (64, 128, 4, 3, 2), (64, 128, 4, 4, 3), (64, 256, 8, 3, 2)]  # the k-grouped kernel's
     for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False)):
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
-        with G.GROUPED_TUNING.override(wgrad=cfg, wgrad_short=cfg):
-            for n, k, dyt, xt in wgrad_cases:
-                timed(f"wgrad N={n} K={k}", str(cfg),
-                      lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
-    for promotion in PROMOTIONS[1:]:
-        tuned = G.GROUPED_TUNING.current()
-        cfg = dataclasses.replace(tuned.wgrad_short if rows.num_rows <= tuned.short_rows_per_expert * experts
-                                  else tuned.wgrad, promotion=promotion)  # fmt: skip
         with G.GROUPED_TUNING.override(wgrad=cfg, wgrad_short=cfg):
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),

@@ -23,7 +23,6 @@ import torch
 
 from fp8.format import BLOCK, E4M3
 from fp8.quant import dequantize_1x128, dequantize_128x128
-from fp8.triton_blocks import promotion_code
 from kernels.backend import HAS_TRITON, cdiv, interpreting, num_sms, tl, tma_compatible, triton, use_triton
 from kernels.tuning import Tuning
 
@@ -56,10 +55,7 @@ class GemmConfig:
     tma: bool = False  # operands through TMA tensor descriptors (needs 16-byte aligned rows)
     persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
     warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
-    promotion: str = "inline"  # the TMA kernel's K-loop schedule, one of PROMOTIONS (fp8/triton_blocks.py)
-
-    def __post_init__(self) -> None:
-        promotion_code(self.promotion)  # names the valid schedules when this one is not
+    programs_per_sm: int = 1  # persistent grid: min(tiles, SMs · programs_per_sm) programs
 
 
 # The defaults. On the H200 every GEMM of the Ling-mini shapes is fastest with TMA + persistent grid + warp
@@ -183,11 +179,10 @@ if HAS_TRITON:
         M, N, K,
         stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, PROMOTE: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
-        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid). PROMOTE: the K
-        loop's promotion schedule (`tma_k_loop`)."""
+        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid)."""
         BLOCK_K: tl.constexpr = 128
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         num_kb = tl.cdiv(K, BLOCK_K)
@@ -201,7 +196,7 @@ if HAS_TRITON:
             bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = tma_k_loop(acc, a_desc, b_desc, off_m, off_n, 0, num_kb, as_ptrs, stride_ask, bs_ptrs, stride_bsk,
-                             B_BLOCKWISE and BLOCK_N == 128, PROMOTE, WS)  # fmt: skip
+                             B_BLOCKWISE and BLOCK_N == 128, WS)  # fmt: skip
             c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
@@ -239,12 +234,12 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfi
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
         c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n])
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-        progs = min(tiles, num_sms(a.device)) if cfg.persistent else tiles
+        progs = min(tiles, num_sms(a.device) * cfg.programs_per_sm) if cfg.persistent else tiles
         _fp8_gemm_tma_kernel[(progs,)](
             a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, PROMOTE=promotion_code(cfg.promotion),
+            NUM_PROGRAMS=progs, WS=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return c

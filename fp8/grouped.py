@@ -53,7 +53,6 @@ from fp8.quant import (
     quantize_1x128_triton,
     quantize_128x128,
 )
-from fp8.triton_blocks import promotion_code
 from kernels.backend import HAS_TRITON, cdiv, num_sms, tl, tma_compatible, triton, use_triton
 from kernels.fusable import Fusable
 from kernels.rows import gather_rows, gather_rows_ref, sum_rows
@@ -288,11 +287,11 @@ if HAS_TRITON:
         stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr, STEPS: tl.constexpr,
-        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
+        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
         tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile. With
-        TMA the K loop is `tma_k_loop` with schedule PROMOTE; else pointer loads (any strides, K tails masked)."""
+        TMA the K loop is `tma_k_loop`; else pointer loads (any strides, K tails masked)."""
         BLOCK_K: tl.constexpr = 128
         num_n = tl.cdiv(N, BLOCK_N)
         num_tiles = tl.load(tiles_ptr + G) * num_n
@@ -318,7 +317,7 @@ if HAS_TRITON:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if TMA:
                 acc = tma_k_loop(acc, a_desc, b_desc, row0, g * N + n0, 0, num_kb, as_ptrs, stride_ask, bs_ptrs,
-                                 stride_bsk, BLOCK_N == 128, PROMOTE, WS)  # fmt: skip
+                                 stride_bsk, BLOCK_N == 128, WS)  # fmt: skip
             else:
                 for kb in tl.range(0, num_kb):
                     if EVEN_K:
@@ -341,13 +340,13 @@ if HAS_TRITON:
         stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
         stride_asn, stride_asb, stride_bsk, stride_bsb,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
-        TMA_STORE: tl.constexpr, PROMOTE: tl.constexpr,
+        TMA_STORE: tl.constexpr,
     ):  # fmt: skip
         """k-grouped wgrad: out[g] tile = Σ_j dot(a[n-tile, block b0+j], b[k-tile, block b0+j]ᵀ)·sa·sb over
         expert g's token blocks b0 = blocks[g] … blocks[g+1] − 1 of the block-aligned operands (whole 128-column
         boxes: TMA loads from one descriptor each, no masks). Persistent grid over (expert, n-tile, k-tile)
         work items, k-tiles fastest so that neighbouring programs share the a tile; an expert without tokens
-        gets an exact zero tile. With TMA the token loop is `tma_k_loop` with schedule PROMOTE."""
+        gets an exact zero tile. With TMA the token loop is `tma_k_loop`."""
         num_n = tl.cdiv(N, BLOCK_N)
         num_k = tl.cdiv(K, BLOCK_K)
         per_g = num_n * num_k
@@ -370,7 +369,7 @@ if HAS_TRITON:
             if TMA:
                 if nblk > 0:
                     acc = tma_k_loop(acc, a_desc, b_desc, n0, k0, b0 * 128, nblk, as_ptrs, stride_asb, bs_ptrs,
-                                     stride_bsb, False, PROMOTE, False)  # fmt: skip
+                                     stride_bsb, False, False)  # fmt: skip
             else:
                 for j in tl.range(0, nblk):
                     col = (b0 + j) * 128
@@ -541,10 +540,6 @@ class GroupedGemmConfig:
     tma: bool = True
     warp_specialize: bool = False
     programs_per_sm: int = 1
-    promotion: str = "inline"  # the TMA K loop's schedule, one of PROMOTIONS (fp8/triton_blocks.py)
-
-    def __post_init__(self) -> None:
-        promotion_code(self.promotion)  # names the valid schedules when this one is not
 
 
 @dataclass(frozen=True)
@@ -619,7 +614,7 @@ def grouped_gemm(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
-        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, PROMOTE=promotion_code(cfg.promotion),
+        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
@@ -665,7 +660,7 @@ def grouped_gemm_wgrad(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
-        PROMOTE=promotion_code(cfg.promotion), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 

@@ -2,8 +2,9 @@
 
 recipe="blockwise" (the default):
 - forward  y  = x·Wᵀ : x quantized 1x128 (along K), W 128x128; bf16 (input dtype) output.
-- dgrad    dx = dy·W : dy quantized 1x128 along N; Wᵀ built on demand from the cached FP8 W by an FP8
-  transpose (block scales transposed with it), freed after use: no persistent transposed copy.
+- dgrad    dx = dy·W : dy quantized 1x128 along N; Wᵀ in FP8 is cached with W: the weight's one quantization pass
+  per change writes both (a 128x128 block's transpose shares its scale, so Wᵀ is exact), one more byte per
+  parameter instead of a transpose in every backward.
 - wgrad    dW = dyᵀ·x: dyᵀ and xᵀ quantized 1x128 along the token dim; dyᵀ in the same pass (one read of dy)
   that quantizes dy for dgrad, xᵀ in the forward's pass over x (one read of x gives the 1x128-along-K x
   for the forward GEMM and the token-dim xᵀ for wgrad); fp32 accumulation, rounded once to the weight's
@@ -60,7 +61,7 @@ from fp8.quant import (
     quantize_1x128,
     quantize_1x128_dual,
     quantize_1x128_transposed,
-    quantize_128x128,
+    quantize_128x128_with_transpose,
     quantize_tensorwise,
 )
 
@@ -119,14 +120,15 @@ def invalidate_fp8_weight_caches(model: nn.Module) -> None:
 # ----------------------------------------------------------------------------------------------------------
 class _BlockwiseFP8Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any, need_wgrad: bool):  # x [M, K], W [N, K]
+    def forward(ctx, x, weight, w_fp8, pow2: bool, module: Any, need_wgrad: bool):  # x [M, K], W [N, K]
+        w_q, w_s, wt_q, wt_s = w_fp8  # W and Wᵀ in FP8, from the weight cache
         if need_wgrad:  # one read of x: 1x128 along K for this GEMM, along tokens (transposed) for wgrad
             x_q, x_s, xt_q, xt_s = quantize_1x128_dual(x, pow2)
         else:
             x_q, x_s = quantize_1x128(x, pow2)
             xt_q = xt_s = None
         y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
-        ctx.save_for_backward(xt_q, xt_s, w_q, w_s, _kept_for_dw_check(module, x, need_wgrad))
+        ctx.save_for_backward(xt_q, xt_s, wt_q, wt_s, _kept_for_dw_check(module, x, need_wgrad))
         ctx.pow2, ctx.x_dtype, ctx.w_dtype = pow2, x.dtype, weight.dtype
         ctx.module = module  # set only while health is being collected
         if module is not None:
@@ -135,7 +137,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xt_q, xt_s, w_q, w_s, x_kept = ctx.saved_tensors
+        xt_q, xt_s, wt_q, wt_s, x_kept = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_dw and xt_q is None:
             raise RuntimeError("FP8Linear: weight gradient requested but the forward ran without it in mind")
@@ -148,9 +150,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
         elif need_dw:
             dyt_q, dyt_s = quantize_1x128_transposed(dy, None, ctx.pow2)
         if need_dx:
-            wt_q, wt_s = fp8_transpose_128x128(w_q, w_s)  # on demand, freed after this GEMM
             dx = fp8_gemm(dy_q, dy_s, wt_q, wt_s, out_dtype=ctx.x_dtype)
-            del wt_q, wt_s
         if need_dw:  # fp32 accumulation, rounded once to the weight's dtype in the GEMM's epilogue
             dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=ctx.w_dtype)
         if ctx.module is not None:
@@ -159,7 +159,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
             if need_dw:
                 ctx.module.health.update(health_stats("gradT", dy.t(), dyt_q))
             _check_dw(ctx.module, dw, dy, x_kept)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _kept_for_dw_check(module: Any, x: torch.Tensor, need_wgrad: bool) -> torch.Tensor | None:
@@ -189,7 +189,8 @@ def _tensorwise_mm(a_q, a_s, b_q, b_s, out_dtype: torch.dtype) -> torch.Tensor:
 
 class _TensorwiseFP8Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, w_q, w_s, pow2: bool, module: Any, need_wgrad: bool):
+    def forward(ctx, x, weight, w_fp8, pow2: bool, module: Any, need_wgrad: bool):
+        w_q, w_s = w_fp8
         x_q, x_s = quantize_tensorwise(x)
         y = _tensorwise_mm(x_q, x_s, w_q, w_s, x.dtype)
         ctx.save_for_backward(x_q, x_s, w_q, w_s, _kept_for_dw_check(module, x, need_wgrad))
@@ -214,7 +215,7 @@ class _TensorwiseFP8Fn(torch.autograd.Function):
         if ctx.module is not None:
             ctx.module.health.update(health_stats("grad", dy, dy_q))
             _check_dw(ctx.module, dw, dy, x_kept)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -310,14 +311,18 @@ class FP8Linear(nn.Linear):
     def invalidate_weight_cache(self) -> None:
         self._wcache.clear()
 
-    def _quantize_weight(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.recipe == "blockwise":
-            return quantize_128x128(w, self.pow2_scales)
+    def _quantize_weight(self, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.recipe == "blockwise":  # W and Wᵀ (dgrad's operand) from one pass
+            return quantize_128x128_with_transpose(w, self.pow2_scales)
         return quantize_tensorwise(w)
 
     def quantized_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_fp8 [N, K], scale) for the current weight, from the cache when the weight is unchanged."""
-        return self._wcache.get(self.weight, self.recipe, self.pow2_scales)  # type: ignore[return-value]
+        return self._wcache.get(self.weight, self.recipe, self.pow2_scales)[:2]  # type: ignore[return-value]
+
+    def fp8_weights(self) -> tuple[torch.Tensor, ...]:
+        """The cache's whole FP8 form: blockwise (W_q, W_s, Wᵀ_q, Wᵀ_s), tensorwise (W_q, scale)."""
+        return self._wcache.get(self.weight, self.recipe, self.pow2_scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -328,7 +333,8 @@ class FP8Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        w_q, w_s = self.quantized_weight()
+        w_fp8 = self.fp8_weights()
+        w_q, w_s = w_fp8[:2]
         if self.ablate:
             y = _AblatedFP8Fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, self.ablate)
             return self._finish(y, lead)
@@ -338,7 +344,7 @@ class FP8Linear(nn.Linear):
             module = self
         fn = _BlockwiseFP8Fn if self.recipe == "blockwise" else _TensorwiseFP8Fn
         need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
-        return self._finish(fn.apply(x2, self.weight, w_q, w_s, self.pow2_scales, module, need_wgrad), lead)
+        return self._finish(fn.apply(x2, self.weight, w_fp8, self.pow2_scales, module, need_wgrad), lead)
 
     def _finish(self, y: torch.Tensor, lead: torch.Size) -> torch.Tensor:
         y = y.reshape(*lead, self.out_features)

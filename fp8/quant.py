@@ -41,6 +41,7 @@ __all__ = [
     "quantize_1x128_triton",
     "quantize_128x128",
     "quantize_128x128_ref",
+    "quantize_128x128_with_transpose",
     "quantize_1x128_transposed",
     "quantize_1x128_transposed_ref",
     "quantize_1x128_dual",
@@ -229,10 +230,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _quant_128x128_kernel(
-        w_ptr, q_ptr, s_ptr, N, K,
-        stride_wn, stride_wk, stride_qn, stride_qk, stride_sn, stride_sk,
-        POW2: tl.constexpr,
+        w_ptr, q_ptr, s_ptr, qt_ptr, N, K,
+        stride_wn, stride_wk, stride_qn, stride_qk, stride_sn, stride_sk, stride_qtk, stride_qtn,
+        POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
     ):  # fmt: skip
+        """One 128x128 block of w [N, K]: its codes and scale; with TRANSPOSE also the codes of wᵀ [K, N] (a
+        block's transpose shares its scale, so this is the exact `fp8_transpose_128x128` of the result)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * 128 + tl.arange(0, 128)
@@ -246,6 +249,8 @@ if HAS_TRITON:
         q = tl.math.div_rn(w, scale).to(tl.float8e4nv)
         tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + pid_n * stride_sn + pid_k * stride_sk, scale)
+        if TRANSPOSE:  # transposed store by address arithmetic
+            tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_n[:, None] * stride_qtn, q, mask=mask)
 
     @triton.jit
     def _transpose_fp8_kernel(
@@ -404,15 +409,33 @@ def quantize_128x128(
     _check_2d(w, "w")
     if not use_triton(w, backend):
         return quantize_128x128_ref(w, pow2_scales)
+    return _launch_128x128(w, pow2_scales, transpose=False)[:2]
+
+
+def quantize_128x128_with_transpose(
+    w: torch.Tensor, pow2_scales: bool = False, *, backend: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_128x128(w)` and its `fp8_transpose_128x128` from one pass over w [N, K]: (E4M3 [N, K], scale
+    [NB, KB], E4M3 [K, N], scale view [KB, NB]). For a weight whose FP8 form is cached, so that dgrad's
+    transposed operand costs one more byte per parameter instead of a transpose per backward."""
+    _check_2d(w, "w")
+    if not use_triton(w, backend):
+        q, s = quantize_128x128_ref(w, pow2_scales)
+        return q, s, *fp8_transpose_128x128_ref(q, s)
+    return _launch_128x128(w, pow2_scales, transpose=True)
+
+
+def _launch_128x128(w: torch.Tensor, pow2_scales: bool, transpose: bool):
     n, k = w.shape
     q = torch.empty(n, k, device=w.device, dtype=E4M3)
     s = torch.empty(cdiv(n, BLOCK), cdiv(k, BLOCK), device=w.device, dtype=torch.float32)
+    qt = torch.empty(k, n, device=w.device, dtype=E4M3) if transpose else q  # q: a placeholder, never written
     if n and k:
         _quant_128x128_kernel[(s.shape[0], s.shape[1])](
-            w, q, s, n, k, w.stride(0), w.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-            POW2=pow2_scales, num_warps=8,
+            w, q, s, qt, n, k, w.stride(0), w.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+            qt.stride(0), qt.stride(1), POW2=pow2_scales, TRANSPOSE=transpose, num_warps=8,
         )  # fmt: skip
-    return q, s
+    return q, s, qt, s.t()
 
 
 def fp8_transpose_128x128(

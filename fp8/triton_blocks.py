@@ -1,6 +1,6 @@
 """Triton building blocks shared by the FP8 kernels of fp8/quant.py, fp8/gemm.py and fp8/grouped.py: a block's
 scale from its amax, the pointers to B's scales, the per-K-block promotion of a partial product, and the K loop of
-the TMA GEMMs built from them (`tma_k_loop`, with its three promotion schedules).
+the TMA GEMMs built from them (`tma_k_loop`).
 
 Defined only when Triton imports (`kernels.backend.HAS_TRITON`: import them under the same condition); they are
 `@triton.jit` functions, callable from kernels only.
@@ -10,18 +10,7 @@ from __future__ import annotations
 
 from kernels.backend import HAS_TRITON, tl, triton
 
-__all__ = ["PROMOTIONS", "b_scale_ptrs", "promote", "promotion_code", "scale_from_amax_tl", "tma_k_loop"]
-
-# How a TMA GEMM's K loop orders each 128-wide block's tensor-core product and its promotion (`tma_k_loop`);
-# every schedule gives the same bits (the same products, summed in the same order).
-PROMOTIONS = ("inline", "pair", "carry")
-
-
-def promotion_code(name: str) -> int:
-    """The kernels' integer code of a promotion schedule in PROMOTIONS (a constexpr argument)."""
-    if name not in PROMOTIONS:
-        raise ValueError(f"promotion must be one of {PROMOTIONS}, got {name!r}")
-    return PROMOTIONS.index(name)
+__all__ = ["b_scale_ptrs", "promote", "scale_from_amax_tl", "tma_k_loop"]
 
 if HAS_TRITON:
 
@@ -71,39 +60,14 @@ if HAS_TRITON:
         return promote(acc, part, tl.load(as_ptrs + kb * stride_as), tl.load(bs_ptrs + kb * stride_bs), SB_SCALAR)
 
     @triton.jit
-    def tma_k_loop(
-        acc, a_desc, b_desc, off_a, off_b, col0, num_kb, as_ptrs, stride_as, bs_ptrs, stride_bs,
-        SB_SCALAR: tl.constexpr, PROMOTE: tl.constexpr, WS: tl.constexpr,
-    ):  # fmt: skip
-        """acc + Σ_kb dot(A block kb, B block kb)·sa_kb·sb_kb over num_kb >= 1 K blocks of 128 columns, block kb
-        at columns col0 + 128·kb of both TMA descriptors (A rows off_a…, B rows off_b…); the scales of block kb
-        at as_ptrs + kb·stride_as and bs_ptrs + kb·stride_bs. The products are promoted in order kb = 0, 1, …
-        whatever the schedule (PROMOTE, an index into PROMOTIONS), so every schedule gives the same bits:
-        - inline: each block's product is promoted before the next block's is issued;
-        - pair: two blocks' products are issued back to back, then both promoted (the second product's
-          tensor-core work can overlap the first one's promotion); an odd last block runs alone;
-        - carry: the next block's product is issued before the previous one's promotion (one product in flight
-          across iterations, the DeepGEMM schedule)."""
-        if PROMOTE == 0:
-            for kb in tl.range(0, num_kb, warp_specialize=WS):
-                part = _block_dot(a_desc, b_desc, off_a, off_b, col0 + kb * 128)
-                acc = _promote_block(acc, part, as_ptrs, bs_ptrs, kb, stride_as, stride_bs, SB_SCALAR)
-        elif PROMOTE == 1:
-            for kp in tl.range(0, num_kb // 2, warp_specialize=WS):
-                kb = 2 * kp
-                p0 = _block_dot(a_desc, b_desc, off_a, off_b, col0 + kb * 128)
-                p1 = _block_dot(a_desc, b_desc, off_a, off_b, col0 + kb * 128 + 128)
-                acc = _promote_block(acc, p0, as_ptrs, bs_ptrs, kb, stride_as, stride_bs, SB_SCALAR)
-                acc = _promote_block(acc, p1, as_ptrs, bs_ptrs, kb + 1, stride_as, stride_bs, SB_SCALAR)
-            if num_kb % 2 == 1:
-                last = num_kb - 1
-                part = _block_dot(a_desc, b_desc, off_a, off_b, col0 + last * 128)
-                acc = _promote_block(acc, part, as_ptrs, bs_ptrs, last, stride_as, stride_bs, SB_SCALAR)
-        else:
-            part = _block_dot(a_desc, b_desc, off_a, off_b, col0)
-            for kb in tl.range(1, num_kb, warp_specialize=WS):
-                nxt = _block_dot(a_desc, b_desc, off_a, off_b, col0 + kb * 128)
-                acc = _promote_block(acc, part, as_ptrs, bs_ptrs, kb - 1, stride_as, stride_bs, SB_SCALAR)
-                part = nxt
-            acc = _promote_block(acc, part, as_ptrs, bs_ptrs, num_kb - 1, stride_as, stride_bs, SB_SCALAR)
+    def tma_k_loop(acc, a_desc, b_desc, off_a, off_b, col0, num_kb, as_ptrs, stride_as, bs_ptrs, stride_bs,
+                   SB_SCALAR: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+        """acc + Σ_kb dot(A block kb, B block kb)·sa_kb·sb_kb over num_kb K blocks of 128 columns, block kb at
+        columns col0 + 128·kb of both TMA descriptors (A rows off_a…, B rows off_b…), its scales at
+        as_ptrs + kb·stride_as and bs_ptrs + kb·stride_bs; each block's product is promoted before the next one
+        is issued (the schedules that issue the next product first measured slower: docs/kernel_tuning.md).
+        WS: Triton's warp specialization of the loop."""
+        for kb in tl.range(0, num_kb, warp_specialize=WS):
+            part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))
+            acc = promote(acc, part, tl.load(as_ptrs + kb * stride_as), tl.load(bs_ptrs + kb * stride_bs), SB_SCALAR)
         return acc

@@ -8,7 +8,8 @@ refusal of a run that cannot fit, naming set-ups that would.
   their 1/world partition plus reduction buckets),
 - master weights (fp32, 1/world each under ZeRO), optimizer moments (AdamW: 8 bytes per parameter; FP8AdamW:
   two E4M3 moments and an fp32 scale per 128-block each, 2.0625 bytes, 1/world each),
-- FP8 weight caches (precision=fp8: every FP8 linear's and expert stack's E4M3 copy, 1 byte per weight),
+- FP8 weight caches (precision=fp8: every FP8 linear's E4M3 copy and its transpose, 2 bytes per weight, and
+  every expert stack's E4M3 copy, 1 byte per weight: the experts' transposes are built on demand),
 - activations: what autograd keeps per token for backward, summed block by block over the layers
   (`activation_bytes_per_token`, derived from the tensors each block saves on the GPU path: compiled norms,
   RoPE and SwiGLU, flash/flex attention, bf16 grouped GEMMs or the FP8 grouped experts), times
@@ -39,6 +40,7 @@ from model.loss import default_chunk_size
 GIB = 2**30
 FP8_BLOCK = 128  # elements per FP8 scale (1x128 activations, 128-blocks of the Adam moments)
 FP8_ADAM_BYTES = 2 + 2 * 4 / FP8_BLOCK  # two E4M3 moments and their fp32 block scales, per parameter
+FP8_LINEAR_CACHE_BYTES = 2  # an FP8Linear caches W and Wᵀ in E4M3 (fp8/linear.py), per weight
 LOGIT_CHUNK_BYTES_PER_LOGIT = 8  # a fused-loss chunk's peak per logit: bf16 logits, fp32 softmax, bf16 grad
 ZERO_BUCKET_ELEMENTS = 5 * 10**8  # DeepSpeed's default reduce / allgather bucket sizes (ZeRO-2/3), elements
 ZERO3_LIVE_PARAMETERS = 10**9  # DeepSpeed's stage3_max_live_parameters default: gathered at most at once
@@ -246,7 +248,7 @@ def plan_for(setup: MemorySetup, split: ParameterSplit | None = None) -> MemoryP
         moments = 8 * split.total / w
     caches = 0.0
     if m.precision == "fp8":
-        caches = split.fp8_linear + (split.experts / m.ep_size if setup.fp8_experts else 0)
+        caches = FP8_LINEAR_CACHE_BYTES * split.fp8_linear + (split.experts / m.ep_size if setup.fp8_experts else 0)
     activations = activation_bytes(setup)
     tokens = setup.micro_batch_size * setup.seq_len
     chunk = min(default_chunk_size(m.vocab_size, a), tokens)

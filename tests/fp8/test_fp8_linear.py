@@ -146,8 +146,8 @@ def test_saves_fp8_activation_not_bf16():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x)
-    wq, ws = layer.quantized_weight()
-    acts = [t for t in saved if t.data_ptr() not in (wq.data_ptr(), ws.data_ptr(), layer.weight.data_ptr())]
+    cached = {t.data_ptr() for t in layer.fp8_weights()} | {layer.weight.data_ptr()}  # W, Wᵀ and their scales
+    acts = [t for t in saved if t.data_ptr() not in cached]
     assert all(t.dtype in (torch.float8_e4m3fn, torch.float32) for t in acts)
     nbytes = sum(t.numel() * t.element_size() for t in acts)
     # FP8 xᵀ [512, 128] + fp32 scales [512, 1]: ~half of the bf16 x (131072 bytes)
@@ -172,6 +172,6 @@ def test_frozen_weight_saves_nothing_for_wgrad():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = layer(xg)
     y.backward(dy)
-    wq, ws = layer.quantized_weight()
-    assert [t for t in saved if t.data_ptr() not in (wq.data_ptr(), ws.data_ptr())] == []
+    cached = {t.data_ptr() for t in layer.fp8_weights()}  # W, Wᵀ and their scales, from the weight cache
+    assert [t for t in saved if t.data_ptr() not in cached] == []
     assert layer.weight.grad is None and torch.equal(xg.grad, dx_ref)

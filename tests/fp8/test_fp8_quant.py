@@ -20,6 +20,7 @@ from fp8.quant import (
     quantize_1x128_transposed_ref,
     quantize_128x128,
     quantize_128x128_ref,
+    quantize_128x128_with_transpose,
 )
 from tests.helpers import DEVICES, bits_equal, setup_device
 
@@ -59,6 +60,12 @@ def test_quantize_128x128_bit_exact(device, shape, pow2, request):
     tr, tsr = fp8_transpose_128x128_ref(qr, sr)
     assert bits_equal(t, tr) and bits_equal(ts, tsr)
     assert bits_equal(t, q.t().contiguous())  # exact transpose
+    # the weight cache's one pass: the same codes and scales, and the transpose of both
+    q2, s2, t2, ts2 = quantize_128x128_with_transpose(w, pow2, backend="triton")
+    assert bits_equal(q2, qr) and bits_equal(s2, sr)
+    assert t2.shape == (shape[1], shape[0]) and bits_equal(t2, tr) and bits_equal(ts2, tsr)
+    qr2, sr2, tr2, tsr2 = quantize_128x128_with_transpose(w.cpu(), pow2, backend="torch")
+    assert bits_equal(qr2, qr) and bits_equal(tr2, tr) and bits_equal(tsr2, tsr)
 
 
 @pytest.mark.parametrize("device", DEVICES)
