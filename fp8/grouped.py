@@ -45,7 +45,6 @@ import torch
 
 from fp8.format import BLOCK, E4M3
 from fp8.quant import (
-    QUANT_TUNING,
     dequantize_1x128,
     dequantize_128x128,
     fp8_transpose_128x128,
@@ -562,6 +561,8 @@ class GroupedConfig:
     short_rows_per_expert: int = 256
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
+    tokens_block_f: int = 32  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
+    tokens_warps: int = 4  # warps per program of the token-dim quantizers
 
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
@@ -700,8 +701,10 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
     qt = torch.empty(k, nb * BLOCK, device=x.device, dtype=E4M3)
     st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
     if rows.num_rows and k:
-        quant = QUANT_TUNING.current()  # the token-dim chunk shape of fp8/quant.py's kernel
-        bf = quant.col_block_f
+        tuning = GROUPED_TUNING.current()
+        bf = tuning.tokens_block_f
+        if BLOCK % bf:  # a chunk must lie inside one 128-wide block of the input scales
+            raise ValueError(f"GroupedConfig.tokens_block_f must divide {BLOCK}, got {bf}")
         dummy = st
         xs_ = xs if xs is not None else dummy
         _quant_tokens_grouped_kernel[(nb, cdiv(k, bf))](
@@ -710,7 +713,7 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
             x.stride(0), x.stride(1), xs_.stride(0), xs_.stride(1), qt.stride(0), qt.stride(1), st.stride(0),
             st.stride(1),
             BLOCK_F=bf, PROLOGUE=prologue, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0,
-            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=quant.col_warps,
+            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=tuning.tokens_warps,
         )  # fmt: skip
     return qt, st
 

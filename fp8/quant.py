@@ -290,7 +290,7 @@ class QuantConfig:
     features, 4 warps), which on the H200 beat every fused one-read kernel tried (docs/kernel_tuning.md)."""
 
     row_block_m: int = 64  # rows per program of the 1x128 row kernel
-    col_block_f: int = 32  # features per program of the token-dim kernels (this and fp8/grouped.py's); divides 128
+    col_block_f: int = 32  # features per program of the token-dim kernel; divides 128 (fp8/grouped.py has its own)
     col_warps: int = 4  # warps per program of the token-dim kernels
     transpose_block: int = 64  # square tile of the FP8 transpose
     trans32: bool = True  # transpose widened to 32-bit lanes (byte transposes take a slow path)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fp8.grouped import (
+    GROUPED_TUNING,
     GroupedRows,
     grouped_gemm,
     grouped_gemm_wgrad,
@@ -124,11 +125,13 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
     q, s = quantize_rows_gathered(tokens, row_src, rows, backend="triton")
     q_ref, s_ref = quantize_rows_gathered(tokens.cpu(), row_src.cpu(), backend="torch")
     assert bits_equal(used(q, rows), used(q_ref, rows)) and torch.equal(used(s, rows), used(s_ref, rows))
-    qt, st = quantize_tokens_grouped(tokens, rows, row_src, backend="triton")
     qt_ref, st_ref = quantize_tokens_grouped_ref(tokens.cpu(), _cpu(rows), row_src.cpu())
     nb = int(rows.block_offsets()[-1])
-    assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128])  # every used block, zero tails included
-    assert torch.equal(st[:, :nb].cpu(), st_ref[:, :nb])
+    for chunk in ({}, {"tokens_block_f": 128, "tokens_warps": 8}, {"tokens_block_f": 16, "tokens_warps": 2}):
+        with GROUPED_TUNING.override(**chunk):  # launch shapes must not change a single bit
+            qt, st = quantize_tokens_grouped(tokens, rows, row_src, backend="triton")
+        assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128]), chunk  # every used block, zero tails included
+        assert torch.equal(st[:, :nb].cpu(), st_ref[:, :nb]), chunk
     # the gather itself, and its adjoint the ordered sum, exactly
     gathered = gather_rows(tokens, row_src, backend="triton")
     assert torch.equal(gathered.cpu(), gather_rows(tokens.cpu(), row_src.cpu(), backend="torch"))
