@@ -3,7 +3,7 @@
 # - On a machine without an NVIDIA GPU: the CPU build of torch 2.13.0 (a GPU machine keeps its CUDA torch).
 # - The project (editable) with its dev extras, and the packages that carry the bundled corpus.
 # Nothing is compiled, here or at a run's start: the one C++ op DeepSpeed would JIT-build on a CPU machine
-# (deepspeed_shm_comm, 88 s, for DeepSpeed-Inference only) is turned off by ling/deepspeed_ops.py. Timings of this
+# (deepspeed_shm_comm, 88 s, for DeepSpeed-Inference only) is turned off by ling/train/deepspeed_compat.py. Timings of this
 # script, the demo and the tests, first run and warm: docs/newcomer.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
