@@ -58,12 +58,13 @@ class GemmConfig:
     programs_per_sm: int = 1  # persistent grid: min(tiles, SMs · programs_per_sm) programs
 
 
-# The defaults. On the H200 every GEMM of the Ling-mini shapes is fastest with TMA + persistent grid + warp
-# specialization; wgrad with 3 stages, since its fp32 epilogue tile takes the shared memory of a fourth
-# (bench/bench_fp8_linear.py --sweep; figures: docs/kernel_tuning.md).
-FPROP_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=True,
-                          warp_specialize=True)  # fmt: skip
-WGRAD_CONFIG = dataclasses.replace(FPROP_CONFIG, num_stages=3)
+# The defaults. On the H200 every GEMM of the Ling-mini shapes (attention, dense MLP, shared expert; forward,
+# dgrad and wgrad) is fastest with 64x128 tiles of one warpgroup, TMA and a persistent grid of two programs per SM:
+# one program's epilogue overlaps the other's K loop, which matters most for the short-K shapes (figures:
+# docs/kernel_tuning.md).
+FPROP_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, tma=True, persistent=True,
+                          programs_per_sm=2)  # fmt: skip
+WGRAD_CONFIG = FPROP_CONFIG
 SMALL_M_ROWS = 64  # GEMMs with at most this many rows use SMALL_M_CONFIG
 SMALL_M_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 INTERPRETER_CONFIG = GemmConfig(block_m=64, block_n=64, group_m=4)  # small tiles keep the CPU interpreter fast

@@ -552,7 +552,8 @@ class GroupedConfig:
     programs per SM (three programs per SM overlap one program's epilogue with the others' K loops, which are
     short at these shapes). Wgrad 128x128 tiles with 8 warps, 3 stages and TMA; with one or two token blocks
     per expert, 64x128 tiles, 4 warps and 2 programs per SM (the K loop is too short to hide a tile's epilogue
-    behind its own loads). 8 rows per SwiGLU program."""
+    behind its own loads). 8 rows per SwiGLU program. The token-dim quantizers: 16 features of a 128-token block
+    per one-warp program (the many small programs hide the gathered loads' latency)."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
@@ -561,8 +562,8 @@ class GroupedConfig:
     short_rows_per_expert: int = 256
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
-    tokens_block_f: int = 32  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
-    tokens_warps: int = 4  # warps per program of the token-dim quantizers
+    tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
+    tokens_warps: int = 1  # warps per program of the token-dim quantizers
 
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
