@@ -7,7 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad
+from fp8.gemm import (
+    FPROP_CONFIG,
+    GEMM_TUNING,
+    INTERPRETER_CONFIG,
+    SMALL_M_CONFIG,
+    WGRAD_CONFIG,
+    WGRAD_FP32_CONFIG,
+    GemmConfig,
+    default_gemm_config,
+    fp8_gemm,
+    fp8_gemm_ref,
+    fp8_gemm_wgrad,
+)
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
 from tests.helpers import DEVICES, rel, setup_device
 
@@ -132,3 +144,17 @@ def test_fp8_gemm_vs_cublas_blockwise(kind):
     cub = _scaled_mm_blockwise(a, a_s, b, b_s, bw)
     # both are the same product up to fp32 summation order and bf16 output rounding
     assert rel(ours, cub) < 4e-3
+
+
+def test_default_tiles_follow_the_kind_the_rows_and_the_output_dtype(monkeypatch):
+    """The compiled kernels' defaults (docs/kernel_tuning.md): an fp32 wgrad output gets tiles whose epilogue fits
+    the shared memory; a tiny M its own tiles; the interpreter its small ones."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert default_gemm_config(16384, "wgrad", torch.float32) == WGRAD_FP32_CONFIG != WGRAD_CONFIG
+    assert default_gemm_config(16384, "wgrad", torch.bfloat16) == WGRAD_CONFIG
+    assert default_gemm_config(16384, "fprop", torch.float32) == default_gemm_config(16384, "fprop") == FPROP_CONFIG
+    assert default_gemm_config(8, "wgrad", torch.float32) == SMALL_M_CONFIG
+    with pytest.raises(ValueError, match="kind must be one of"):
+        default_gemm_config(16384, "dgrad")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert default_gemm_config(16384, "wgrad", torch.float32) == INTERPRETER_CONFIG
