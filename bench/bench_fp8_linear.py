@@ -207,9 +207,8 @@ def saved_bytes(layer: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd saves for backward in one forward, not counting the (cached) weight tensors."""
     total = [0]
     skip = {layer.weight.data_ptr()}
-    if isinstance(layer, FP8Linear):
-        wq, ws = layer.quantized_weight()
-        skip |= {wq.data_ptr(), ws.data_ptr()}
+    if isinstance(layer, FP8Linear):  # W, Wᵀ and their scales live in the weight cache, not per step
+        skip |= {t.data_ptr() for t in layer.fp8_weights()}
 
     def pack(t):
         if t.data_ptr() not in skip:
