@@ -45,11 +45,11 @@ from fp8.quant import (  # noqa: E402
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120),
           "shared_gate_up": (1024, 2048), "shared_down": (2048, 512)}  # (N, K) of every Ling-mini FP8Linear
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
-    GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2),  # the default (every kind)
+    GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2),  # default, bar fp32 wgrad
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=3),
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=False),
-    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # the defaults until 2026-12-02
-    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),
+    GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # fprop's until 2026-12-02
+    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),  # fp32-out wgrad's
     GemmConfig(128, 128, 16, 8, 4, tma=True, persistent=True, warp_specialize=True),
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),

@@ -59,9 +59,9 @@ class GemmConfig:
 
 
 # The defaults. On the H200 every GEMM of the Ling-mini shapes (attention, dense MLP, shared expert; forward,
-# dgrad and wgrad) is fastest with 64x128 tiles of one warpgroup, TMA and a persistent grid of two programs per SM:
-# one program's epilogue overlaps the other's K loop, which matters most for the short-K shapes (figures:
-# docs/kernel_tuning.md).
+# dgrad and a 16-bit wgrad) is fastest with 64x128 tiles of one warpgroup, TMA and a persistent grid of two
+# programs per SM: one program's epilogue overlaps the other's K loop, which matters most for the short-K shapes
+# (figures: docs/kernel_tuning.md).
 FPROP_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, tma=True, persistent=True,
                           programs_per_sm=2)  # fmt: skip
 WGRAD_CONFIG = FPROP_CONFIG  # with a 16-bit output (the weight's dtype in bf16 training)
@@ -246,8 +246,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfi
             a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=progs, WS=cfg.warp_specialize,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)

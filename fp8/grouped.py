@@ -616,8 +616,7 @@ def grouped_gemm(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
-        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
