@@ -14,9 +14,8 @@ import json
 import os
 import re
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import sentencepiece as spm
 from filelock import FileLock
@@ -26,6 +25,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from data.config import DataError, TokenizerConfig
+
+if TYPE_CHECKING:  # annotations only: importing `datasets` costs about a second (pandas, pyarrow) at every start
+    import datasets
 
 TOKENIZER_FORMAT = 1
 

@@ -28,6 +28,9 @@ LAZY_IMPORTS = {
     ("data.prepare", "data.text_loader"): "pulls in `datasets` and sentencepiece (seconds); only a preparation run "
                                           "needs them",
     ("data.loader", "data.synthetic"): "picked by name beside data.text_loader; no start-up cost of its own",
+    ("ling.checkpoint.weights", "data.corpus"): "pulls in `datasets` (about a second at every start of train.py, "
+                                                "eval.py, export); only a run dir from before 2026-12 without its "
+                                                "own tokenizer copy needs the corpus",
     ("ling.ranks", "ling.train.deepspeed_compat"): "imports DeepSpeed (seconds, and a banner): loaded where "
                                                    "init_distributed starts DeepSpeed",
 }

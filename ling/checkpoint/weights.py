@@ -20,7 +20,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.config import DataConfig
-from data.corpus import fingerprint, load_corpus
 from data.tokenizer import Tokenizer, get_tokenizer
 from ling.checkpoint.layout import MODEL_STATES, RESOLVED_CONFIG, RUN_TOKENIZER, ZERO3_MODEL_STATES
 from ling.checkpoint.safe_load import check_folder, load_pt
@@ -178,6 +177,8 @@ def run_tokenizer(run_dir: Path, cfg: DictConfig) -> str | None:
     dcfg = DataConfig.from_mapping(cfg.data)
     if dcfg.tokenizer.model:
         return get_tokenizer(dcfg.tokenizer, None, "", dcfg.cache_path).model_path
+    from data.corpus import fingerprint, load_corpus  # `datasets` (a second to import): only old run dirs need it
+
     corpus = load_corpus(dcfg)
     tok = get_tokenizer(dcfg.tokenizer, corpus["train"], fingerprint(corpus["train"]), dcfg.cache_path,
                         dcfg.split_seed)
