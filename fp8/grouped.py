@@ -386,6 +386,82 @@ if HAS_TRITON:
                          mask=c_mask)  # fmt: skip
 
     @triton.jit
+    def _grouped_wgrad_flat_kernel(
+        a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, as_ptr, bs_ptr, blk_ptr,
+        N, K, G, NB,
+        stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
+        stride_asn, stride_asb, stride_bsk, stride_bsb,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COUNT_CHUNK: tl.constexpr,
+        TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    ):  # fmt: skip
+        """The k-grouped wgrad of `_grouped_wgrad_kernel` (the same tiles, products and order: the same bits) as
+        one flat loop over the program's steps, a step being one token block of one tile (an expert without
+        tokens: one step that only stores its zero tile). Program p owns tiles p, p + P, …; a tile of expert g
+        takes max(1, blocks[g+1] − blocks[g]) steps. One loop instead of a loop per tile lets the software
+        pipeline run across tile boundaries: the next tile's first blocks load during a tile's last products
+        and its store (the experts' short token loops otherwise drain and refill the pipeline on every tile)."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        num_k = tl.cdiv(K, BLOCK_K)
+        per_g = num_n * num_k
+        num_tiles = G * per_g
+        # this program's step count: a vector sum over its tiles, a chunk at a time
+        total = 0
+        ci = tl.arange(0, COUNT_CHUNK)
+        for c0 in tl.range(0, tl.cdiv(num_tiles - pid, NUM_PROGRAMS), COUNT_CHUNK):
+            t = pid + (c0 + ci) * NUM_PROGRAMS
+            ok = t < num_tiles
+            gi = tl.minimum(t // per_g, G - 1)
+            nb = tl.load(blk_ptr + gi + 1, mask=ok, other=0) - tl.load(blk_ptr + gi, mask=ok, other=0)
+            total += tl.sum(tl.where(ok, tl.maximum(nb, 1), 0))
+        rn = tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rt = tl.arange(0, 128)
+        tile = pid - NUM_PROGRAMS
+        j = 0
+        steps = 0  # steps of the current tile; j == steps starts the next one
+        g = 0
+        n0 = 0
+        k0 = 0
+        b0 = 0
+        nblk = 0
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in tl.range(0, total):
+            if j == steps:
+                tile += NUM_PROGRAMS
+                j = 0
+                g = tile // per_g
+                n0 = ((tile % per_g) // num_k) * BLOCK_N
+                k0 = (tile % num_k) * BLOCK_K
+                b0 = tl.load(blk_ptr + g)
+                nblk = tl.load(blk_ptr + g + 1) - b0
+                steps = tl.maximum(nblk, 1)
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            blk = tl.minimum(b0 + j, NB - 1)  # an empty expert's one step reads a valid block, never used
+            n_ld = tl.minimum(n0 + rn, N - 1)  # tail rows load valid ones (never stored)
+            k_ld = tl.minimum(k0 + rk, K - 1)
+            if TMA:
+                a = a_desc.load([n0, blk * 128])
+                b = b_desc.load([k0, blk * 128])
+            else:
+                a = tl.load(a_ptr + n_ld[:, None].to(tl.int64) * stride_an + (blk * 128 + rt)[None, :] * stride_am)
+                b = tl.load(b_ptr + k_ld[:, None].to(tl.int64) * stride_bk + (blk * 128 + rt)[None, :] * stride_bm)
+            sa = tl.load(as_ptr + n_ld * stride_asn + blk * stride_asb)
+            sb = tl.load(bs_ptr + k_ld * stride_bsk + blk * stride_bsb)
+            part = tl.dot(a, tl.trans(b))
+            if j < nblk:
+                acc = promote(acc, part, sa, sb, False)
+            if j == steps - 1:
+                if TMA_STORE:  # the [G·N, K] view: an n-tile never straddles two experts (N % BLOCK_N == 0)
+                    c_desc.store([g * N + n0, k0], acc.to(c_desc.dtype))
+                else:
+                    c_base = c_ptr + g.to(tl.int64) * stride_cg + n0.to(tl.int64) * stride_cn + k0 * stride_ck
+                    c_mask = (rn < N - n0)[:, None] & (rk < K - k0)[None, :]
+                    tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck,
+                             acc.to(c_ptr.dtype.element_ty), mask=c_mask)  # fmt: skip
+            j += 1
+
+    @triton.jit
     def _quant_tokens_grouped_kernel(
         x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
         K, G,
@@ -539,6 +615,7 @@ class GroupedGemmConfig:
     tma: bool = True
     warp_specialize: bool = False
     programs_per_sm: int = 1
+    flatten: bool = False  # wgrad only: one pipelined loop over (tile, token block) steps (_grouped_wgrad_flat_kernel)
 
 
 @dataclass(frozen=True)
@@ -656,13 +733,21 @@ def grouped_gemm_wgrad(
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
     if tma_store:
         c_desc = TensorDescriptor.from_tensor(c.view(g * n, k), [cfg.block_m, cfg.block_n])
-    _grouped_wgrad_kernel[(progs,)](
-        a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
+               a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))  # fmt: skip
+    if cfg.flatten:
+        _grouped_wgrad_flat_kernel[(progs,)](
+            a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g, a_scale.shape[1],
+            *strides, BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs,
+            COUNT_CHUNK=min(256, triton.next_power_of_2(cdiv(tiles, progs))), TMA=tma,
+            TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    else:
+        _grouped_wgrad_kernel[(progs,)](
+            a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g, *strides,
+            BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     return c
 
 

@@ -94,3 +94,37 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
     used = int(rows.offsets[-1])
     assert torch.equal(fwd["pointer"][:used], fwd["tma"][:used])
     assert torch.equal(dw["pointer"], dw["tma"])
+
+
+# Wgrad shapes [N, K] for the flat loop: more than 256 tiles per program in the interpreter's 4 programs (its step
+# count is summed 256 tiles at a time), an N the TMA store cannot take (pointer stores), and one it can.
+FLAT_SHAPES = [(128, 1024), (96, 64), (256, 128)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", FLAT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_grouped_wgrad_flat_loop_is_bit_identical_to_the_tile_loop(device, shape, request):
+    """`GroupedGemmConfig.flatten` runs the wgrad as one loop over (tile, token block) steps; the products and their
+    order are the tile loop's, so the bits are too, with empty experts (one step that stores zeros) among them."""
+    setup_device(device, request)
+    torch.manual_seed(4)
+    n, k = shape
+    rows, segs = layout(LENGTHS, 16, device)
+    dyt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, n, device), rows, backend="triton")
+    xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, k, device, 3.0), rows, backend="triton")
+    dw = {}
+    for flatten in (False, True):
+        for loads in LOADS if device == "cuda" else ("pointer",):
+            cfg = dataclasses.replace(_grouped_cfg(device, loads, True), flatten=flatten)
+            with GROUPED_TUNING.override(wgrad=cfg, wgrad_short=cfg):
+                for out_dtype in (torch.float32, torch.bfloat16):
+                    dw[flatten, loads, out_dtype] = grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=out_dtype,
+                                                                       backend="triton").cpu()  # fmt: skip
+    for (flatten, loads, out_dtype), out in dw.items():
+        ref = dw[False, "pointer", out_dtype]
+        assert torch.equal(out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                           ref.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)), (flatten, loads)
+    for e, (lo, hi) in enumerate(segs):
+        if hi == lo:
+            assert torch.equal(dw[True, "pointer", torch.float32][e], torch.zeros(n, k))
+    assert dw[False, "pointer", torch.float32].abs().sum() > 0
