@@ -143,7 +143,7 @@ def test_resume_from_a_crafted_checkpoint_with_a_matching_manifest_is_refused(re
     plant(folder / victim, marker, key="extra")
     rewrite_manifest(folder)
     assert store.verify(folder) == []
-    _, proc = run_train(run, 1, ["train.steps=4", "train.save_every=2"], expect_rc=None)
+    _, proc = run_train(run, 1, ["train.steps=4", "train.save_every=2"], expect_rc=None, launcher=False)
     assert proc.returncode != 0
     assert f"{victim}: refused to load: it holds builtins.exec" in proc.stderr, proc.stderr[-5000:]
     assert not marker.exists()
@@ -168,6 +168,7 @@ def test_init_from_a_pickled_bin_checkpoint_is_refused(tmp_path):
     torch.save({"model.norm.weight": Payload(marker)}, folder / "pytorch_model.bin")
     with pytest.raises(hf.HFCheckpointError, match=r"pytorch_model\.bin.*unsupported"):
         hf.load_hf_checkpoint(LingForCausalLM(SMALL), folder)
-    _, proc = run_train(tmp_path / "run", 1, ["train.steps=1", f"train.init_from={folder}"], expect_rc=None)
+    _, proc = run_train(tmp_path / "run", 1, ["train.steps=1", f"train.init_from={folder}"], expect_rc=None,
+                        launcher=False)
     assert proc.returncode != 0 and "unsupported" in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists()

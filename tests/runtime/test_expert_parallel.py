@@ -250,25 +250,49 @@ def test_layer_split_over_two_ranks_is_bit_identical_to_the_whole_layer(tmp_path
         assert sum(r[case]["received"] for r in ranks) == ranks[0][case]["assignments"]  # each row went once
 
 
+# the 4-rank runs (ep_size 2 over 4 ranks), fp32 and ZeRO-2 as the 2-rank runs: 6 steps, then step 3 resumed and
+# re-saved at ep_size 1
+W4 = [*COMMON, f"train.steps={STEPS}", "train.micro_batch_size=1", "train.save_every=3", "train.keep_last=0"]
+# ... and in bf16 under ZeRO-1 with fp32 accumulation (DeepSpeed's BF16_Optimizer): 4 steps, resumed at step 2
+BF16_W4 = [*COMMON, "train.steps=4", "train.micro_batch_size=1", "train.grad_accum=2", "deepspeed=zero1",
+           "deepspeed.bf16=true", "train.save_every=2", "train.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Both 4-rank tests' runs in one launch (one torchrun and four worker start-ups instead of two of each):
+    their run dirs under one root, and each rank's results by run dir name."""
+    root = tmp_path_factory.mktemp("ep4_runs")
+    step3 = str(root / "w4" / "checkpoints" / "step00000003")
+    step2 = str(root / "bf16_ep2" / "checkpoints" / "step00000002")
+    specs = [{"dir": str(root / "w4"), "digests": True, "overrides": [*W4, "moe.ep_size=2"]},
+             {"dir": str(root / "w4_ep2to1"), "resume_copy": step3, "overrides": W4},
+             {"dir": str(root / "w4_resave"), "resume_copy": step3, "overrides": W4,
+              "resave_to": str(root / "w4_resave" / "resaved")},
+             {"dir": str(root / "bf16_ep2"), "digests": True, "overrides": [*BF16_W4, "moe.ep_size=2"]},
+             {"dir": str(root / "bf16_ep1"), "overrides": BF16_W4},
+             {"dir": str(root / "bf16_ep2_resumed"), "overrides": [*BF16_W4, "moe.ep_size=2"], "resume_copy": step2},
+             {"dir": str(root / "bf16_ep2to1"), "overrides": BF16_W4, "resume_copy": step2},
+             {"dir": str(root / "bf16_resave"), "overrides": BF16_W4, "resume_copy": step2,
+              "resave_to": str(root / "bf16_resave" / "resaved")}]
+    (root / "runs.json").write_text(json.dumps(specs))
+    return root, launch(4, "runs", root / "out.pt", "--runs", str(root / "runs.json"))
+
+
 @pytest.mark.slow
-def test_four_ranks_ep2_experts_differ_across_ep_ranks_and_match_on_replicas(tmp_path, runs):
+def test_four_ranks_ep2_experts_differ_across_ep_ranks_and_match_on_replicas(four_rank_runs, runs):
     """4 ranks, ep_size=2 (the expert-data-parallel groups {0, 2} and {1, 3} partition each MoE group in two),
     then its step 3 resumed and re-saved at ep_size=1."""
-    w4 = [*COMMON, f"train.steps={STEPS}", "train.micro_batch_size=1", "train.save_every=3", "train.keep_last=0"]
-    step3 = str(tmp_path / "w4" / "checkpoints" / "step00000003")
-    specs = [{"dir": str(tmp_path / "w4"), "digests": True, "overrides": [*w4, "moe.ep_size=2"]},
-             {"dir": str(tmp_path / "w4_ep2to1"), "resume_copy": step3, "overrides": w4},
-             {"dir": str(tmp_path / "w4_resave"), "resume_copy": step3, "overrides": w4,
-              "resave_to": str(tmp_path / "w4_resave" / "resaved")}]
-    (tmp_path / "runs.json").write_text(json.dumps(specs))
-    ranks = [r["w4"] for r in launch(4, "runs", tmp_path / "out.pt", "--runs", str(tmp_path / "runs.json"))]
+    root = four_rank_runs[0]
+    step3 = str(root / "w4" / "checkpoints" / "step00000003")
+    ranks = [r["w4"] for r in four_rank_runs[1]]
     assert [r["ep_rank"] for r in ranks] == [0, 1, 0, 1]  # DeepSpeed's groups: [0, 1], [2, 3]; replicas {0, 2}, {1, 3}
     assert ranks[0]["experts"] == ranks[2]["experts"] and ranks[1]["experts"] == ranks[3]["experts"]
     assert all(ranks[0]["experts"][n] != ranks[1]["experts"][n] for n in ranks[0]["experts"])
     # 4 ranks × 1 row = the 2-rank runs' global batch: the same losses (fp32 tolerance as above)
-    check_same_run(metrics_of(tmp_path / "w4"), metrics_of(runs / "zero2_fp32_ep1"), "fp32")
-    check_same_run(metrics_of(tmp_path / "w4_ep2to1"), metrics_of(tmp_path / "w4")[3:], "fp32")
-    check_resaved(Path(step3), tmp_path / "w4_resave" / "resaved" / "step00000003", "fp32", world=4)
+    check_same_run(metrics_of(root / "w4"), metrics_of(runs / "zero2_fp32_ep1"), "fp32")
+    check_same_run(metrics_of(root / "w4_ep2to1"), metrics_of(root / "w4")[3:], "fp32")
+    check_resaved(Path(step3), root / "w4_resave" / "resaved" / "step00000003", "fp32", world=4)
 
 
 def test_ep_size_must_divide_the_experts_and_the_world_and_needs_zero_1_or_2():
@@ -332,30 +356,19 @@ def test_two_gpus_layer_runs_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_ranks_ep2_under_zero1_bf16_fp32_accumulation_match_ep1(tmp_path):
+def test_four_ranks_ep2_under_zero1_bf16_fp32_accumulation_match_ep1(four_rank_runs):
     """deepspeed=zero1 with bf16 (deepspeed.bf16=true on CPU) and fp32 accumulation is DeepSpeed's
     BF16_Optimizer, whose boundary all-reduce is the engine's: at ep_size 2 over 4 ranks the experts must be
     reduced over their expert-data-parallel group ({0, 2}, {1, 3}), the rest over all 4. Checked against ep_size 1
     on the same global batch: step 1's gradient norm (an expert gradient averaged over the wrong group would
     change it by about 1/√2 on the expert part) and the losses, within bf16's summation-order noise; and the
-    replicas' experts stay identical."""
-    bf16 = [*COMMON, "train.steps=4", "train.micro_batch_size=1", "train.grad_accum=2", "deepspeed=zero1",
-            "deepspeed.bf16=true", "train.save_every=2", "train.keep_last=0"]
-    specs = [{"dir": str(tmp_path / "ep2"), "digests": True, "overrides": [*bf16, "moe.ep_size=2"]},
-             {"dir": str(tmp_path / "ep1"), "overrides": bf16},
-             {"dir": str(tmp_path / "ep2_resumed"), "overrides": [*bf16, "moe.ep_size=2"],
-              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002")},
-             {"dir": str(tmp_path / "ep2to1"), "overrides": bf16,
-              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002")},
-             {"dir": str(tmp_path / "resave"), "overrides": bf16,
-              "resume_copy": str(tmp_path / "ep2" / "checkpoints" / "step00000002"),
-              "resave_to": str(tmp_path / "resave" / "resaved")}]
-    (tmp_path / "runs.json").write_text(json.dumps(specs))
-    ranks = [r["ep2"] for r in launch(4, "runs", tmp_path / "out.pt", "--runs", str(tmp_path / "runs.json"))]
+    replicas' experts stay identical (the runs: BF16_W4, in the four_rank_runs launch)."""
+    root = four_rank_runs[0]
+    ranks = [r["bf16_ep2"] for r in four_rank_runs[1]]
     assert ranks[0]["experts"] == ranks[2]["experts"] and ranks[1]["experts"] == ranks[3]["experts"]
-    ep1, ep2 = metrics_of(tmp_path / "ep1"), metrics_of(tmp_path / "ep2")
+    ep1, ep2 = metrics_of(root / "bf16_ep1"), metrics_of(root / "bf16_ep2")
     assert [m["step"] for m in ep1] == [m["step"] for m in ep2] == [1, 2, 3, 4]
-    assert "DeepSpeed's BF16_Optimizer via LeanBF16Optimizer)" in (tmp_path / "ep1" / "train.log").read_text()
+    assert "DeepSpeed's BF16_Optimizer via LeanBF16Optimizer)" in (root / "bf16_ep1" / "train.log").read_text()
     # bf16 noise between the two layouts (summation orders), measured on these 4 steps: ZeRO-2 1.5e-4 on losses and
     # 2.4e-4 on grad norms, this path 7e-5 and 1.1e-3. With the experts averaged over all 4 ranks (the
     # BF16_Optimizer path before ling/train/engine.py raised DeepSpeed's MoE flag for its all-reduce) step 2's loss was
@@ -364,14 +377,14 @@ def test_four_ranks_ep2_under_zero1_bf16_fp32_accumulation_match_ep1(tmp_path):
         assert close(a["loss"], b["loss"], 5e-4), (a, b)
         assert close(a["grad_norm"], b["grad_norm"], 3e-3), (a, b)
     # DeepSpeed's BF16_Optimizer checkpoint with the experts beside it resumes at ep_size 2 bit for bit
-    resumed = metrics_of(tmp_path / "ep2_resumed")
+    resumed = metrics_of(root / "bf16_ep2_resumed")
     assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in ep2[2:]]
     # ... and re-partitions for ep_size 1 (its files are DeepSpeed's bf16_zero_pp_rank_*, its partitions the
     # BF16_Optimizer's): the continued run follows ep2 within the layouts' noise above, and the state saved right
     # after the re-partition is the saved one (AdamW moments: exact)
-    step2 = tmp_path / "ep2" / "checkpoints" / "step00000002"
+    step2 = root / "bf16_ep2" / "checkpoints" / "step00000002"
     assert (step2 / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
-    for a, b in zip(metrics_of(tmp_path / "ep2to1"), ep2[2:], strict=True):
+    for a, b in zip(metrics_of(root / "bf16_ep2to1"), ep2[2:], strict=True):
         assert a["step"] == b["step"] and close(a["loss"], b["loss"], 5e-4), (a, b)
         assert close(a["grad_norm"], b["grad_norm"], 3e-3), (a, b)
-    check_resaved(step2, tmp_path / "resave" / "resaved" / "step00000002", "fp32", world=4)
+    check_resaved(step2, root / "bf16_resave" / "resaved" / "step00000002", "fp32", world=4)

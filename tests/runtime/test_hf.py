@@ -379,14 +379,21 @@ def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 2-step run of train.py, the source of both init_from tests below (neither changes it)."""
+    run = tmp_path_factory.mktemp("trained") / "a"
+    _train(run, "train.steps=2")
+    return run
+
+
 @pytest.mark.slow
-def test_cli_export_and_train_init_from(tmp_path):
+def test_cli_export_and_train_init_from(trained, tmp_path):
     """train 2 steps → `python -m ling.checkpoint.hf export` → train.init_from with lr 0: the new run's weights are
     exactly the exported ones (so init_from loaded every tensor)."""
     from ling.checkpoint.weights import find_checkpoint, read_model_state
 
-    _train(tmp_path / "a", "train.steps=2")
-    proc = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "export", str(tmp_path / "a"),
+    proc = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "export", str(trained),
                            str(tmp_path / "hf"), "--dtype", "fp32", "--max-shard-size", "1MB"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -397,7 +404,7 @@ def test_cli_export_and_train_init_from(tmp_path):
 
     _train(tmp_path / "b", "train.steps=1", "optim.lr=0", "train.bias_update=false",
            f"train.init_from={tmp_path / 'hf'}")
-    a = read_model_state(find_checkpoint(tmp_path / "a").folder)
+    a = read_model_state(find_checkpoint(trained).folder)
     b = read_model_state(find_checkpoint(tmp_path / "b").folder)
     assert a.keys() == b.keys()
     for k in a:
@@ -405,14 +412,13 @@ def test_cli_export_and_train_init_from(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_init_from_under_zero3_two_ranks(tmp_path):
+def test_train_init_from_under_zero3_two_ranks(trained, tmp_path):
     """ZeRO-3 partitions the parameters at construction; init_from gathers each one, writes it on rank 0 and
     re-partitions. Read back through zero_to_fp32 (the ZeRO-3 checkpoint path of ling.weights)."""
     from ling.checkpoint.weights import find_checkpoint, read_model_state
 
-    _train(tmp_path / "a", "train.steps=1")
-    state = read_model_state(find_checkpoint(tmp_path / "a").folder)
-    hf.save_hf(state, hf.model_config_from_hf(hf.hf_config(find_checkpoint(tmp_path / "a").model_config(state))),
+    state = read_model_state(find_checkpoint(trained).folder)
+    hf.save_hf(state, hf.model_config_from_hf(hf.hf_config(find_checkpoint(trained).model_config(state))),
                tmp_path / "hf", dtype=torch.float32)
     _train(tmp_path / "z3", "train.steps=1", "optim.lr=0", "train.bias_update=false", "deepspeed=zero3",
            f"train.init_from={tmp_path / 'hf'}", nproc=2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,23 +71,40 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 8-step run every resumed run below must reproduce."""
+def reference_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The uninterrupted 8-step run every resumed run below must reproduce, every checkpoint kept (steps 2, 4, 6,
+    8): the tests that need a finished run dir, or a run stopped at step 2, start from a copy of it instead of
+    training one of their own. Not changed by any test."""
     run = tmp_path_factory.mktemp("reference")
-    metrics, _ = run_train(run, 1, BASE)
-    return metrics
+    metrics, _ = run_train(run, 1, [*BASE, "train.keep_last=0"])
+    return run, metrics
+
+
+@pytest.fixture
+def reference(reference_run) -> list[dict]:
+    return reference_run[1]
+
+
+def stopped_at_step_2(reference: Path, run_dir: Path) -> None:
+    """`run_dir` as a run of BASE stopped after step 2 leaves it: the reference's step-2 checkpoint (the same
+    training, bit for bit) and its metrics up to step 2."""
+    shutil.copytree(reference / "checkpoints" / "step00000002", run_dir / "checkpoints" / "step00000002")
+    lines = (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:2]))
 
 
 @pytest.mark.slow
-def test_kill_9_during_an_async_save_resumes_the_previous_checkpoint_bit_exactly(reference, tmp_path):
+def test_kill_9_during_an_async_save_resumes_the_previous_checkpoint_bit_exactly(reference_run, tmp_path):
     """Step 2 is saved; the run resumes with a slow writer (30 s per file), so step 4's save is still being
     written when the process is killed with SIGKILL. step00000004.partial has no manifest and is skipped; the
     resume from step 2 reproduces steps 3-8 of the uninterrupted run."""
-    run_train(tmp_path, 1, [*BASE, "train.stop_at=2"])
+    stopped_at_step_2(reference_run[0], tmp_path)
+    reference = reference_run[1]
     cmd = [sys.executable, "train.py", *COMMON, f"hydra.run.dir={tmp_path}", *BASE, "train.inject_save_delay_s=30"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: "checkpoint step00000004: snapshot taken" in train_log(tmp_path), proc,
+        wait_for(lambda: (tmp_path / "train.log").exists() and  # this run writes the run dir's first train.log
+                 "checkpoint step00000004: snapshot taken" in train_log(tmp_path), proc,
                  what="step 4's save")
         wait_for(lambda: len(metrics_of(tmp_path)) >= 5, proc, what="training on during the save")  # not blocked
     finally:
@@ -129,12 +147,11 @@ def checkpoint_bytes(run: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_real_full_disk_refuses_the_save_and_the_run_resumes_once_space_is_free(reference, tmp_path):
+def test_a_real_full_disk_refuses_the_save_and_the_run_resumes_once_space_is_free(reference_run, tmp_path):
     """The run dir on a tmpfs that holds one checkpoint, not two (the new one is written before the old is
     rotated away): the save at step 4 is refused before writing, naming the folder and the space; nothing is
     left half-written (no .partial, no metrics.jsonl.tmp); with a larger tmpfs the run resumes in place."""
-    probe = tmp_path / "probe"
-    run_train(probe, 1, [*BASE, "train.stop_at=2"])
+    probe, reference = reference_run  # its step-2 checkpoint: the size of this run's
     size = checkpoint_bytes(probe)
     with small_tmpfs(tmp_path / "disk", f"{int(1.6 * size) // 1024}k") as disk:
         run = disk / "run"
@@ -219,31 +236,31 @@ def test_deepspeeds_compiler_probes_stay_out_of_the_logs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_changed_model_is_refused_before_the_build_naming_the_keys(tmp_path):
+def test_a_changed_model_is_refused_before_the_build_naming_the_keys(reference_run, tmp_path):
     """The manifest records the model config; a resume with model.num_layers=4 on a 2-layer run (DeepSpeed's raw
     `Missing key(s) in state_dict` after the whole set-up, before) or num_experts_per_tok=2 (resumed silently)
     stops before the model is built. A checkpoint whose manifest has no model (written before) still fails in
     DeepSpeed's loader, but the error is in train.log."""
-    run_train(tmp_path, 1, ["train.steps=4", "train.save_every=2", "train.stop_at=2"])
+    stopped_at_step_2(reference_run[0], tmp_path)
     for override, why in (("model.num_layers=4", "model.num_layers: 2 in the checkpoint, 4 now"),
                           ("model.num_experts_per_tok=2", "model.num_experts_per_tok: 4 in the checkpoint, 2 now")):
-        _, proc = run_train(tmp_path, 1, ["train.steps=4", "train.save_every=2", override], expect_rc=2)
+        _, proc = run_train(tmp_path, 1, [*BASE, override], expect_rc=2)
         assert "was written for another model; a checkpoint fixes these keys: " + why in proc.stderr
         assert "optimizer state on rank" not in proc.stderr  # refused before DeepSpeed was built
     manifest = tmp_path / "checkpoints" / "step00000002" / "manifest.json"
     content = json.loads(manifest.read_text())
     del content["model"]
     manifest.write_text(json.dumps(content))
-    _, proc = run_train(tmp_path, 1, ["train.steps=4", "train.save_every=2", "model.num_layers=4"], expect_rc=1)
+    _, proc = run_train(tmp_path, 1, [*BASE, "model.num_layers=4"], expect_rc=1)
     log = train_log(tmp_path)
     assert "the run failed: RuntimeError: Error(s) in loading state_dict" in log and "Missing key(s)" in log
 
 
 @pytest.mark.slow
-def test_a_refused_run_writes_nothing_into_the_busy_run_dir(tmp_path):
+def test_a_refused_run_writes_nothing_into_the_busy_run_dir(reference_run, tmp_path):
     """While the run dir is locked, a second run is refused (exit code 2) and every file there stays as it was:
-    Hydra's .hydra/ (config, overrides), train.log."""
-    run_train(tmp_path, 1, ["train.steps=1"])
+    Hydra's .hydra/ (config, overrides), train.log (the run dir: a copy of the reference run's)."""
+    shutil.copytree(reference_run[0], tmp_path, dirs_exist_ok=True)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert tmp_path / ".hydra" / "overrides.yaml" in before
     lock = RunDirLock(tmp_path)
@@ -317,12 +334,13 @@ def test_workers_stop_and_save_when_torchrun_is_killed_with_sigkill(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_completed_run_started_again_says_so_and_keeps_its_summary(tmp_path):
-    run_train(tmp_path, 1, ["train.steps=2"])
+def test_a_completed_run_started_again_says_so_and_keeps_its_summary(reference_run, tmp_path):
+    """The completed run: a copy of the reference run's dir (8 steps)."""
+    shutil.copytree(reference_run[0], tmp_path, dirs_exist_ok=True)
     kept = (tmp_path / "summary.json").read_bytes()
     assert "memory plan per GPU (estimate)" in train_log(tmp_path)
-    _, proc = run_train(tmp_path, 1, ["train.steps=2"])
-    assert f"run {tmp_path} is already complete: its checkpoint {tmp_path}/checkpoints/step00000002 is at step 2 " \
+    _, proc = run_train(tmp_path, 1, BASE)
+    assert f"run {tmp_path} is already complete: its checkpoint {tmp_path}/checkpoints/step00000008 is at step 8 " \
            "= train.steps; nothing to train" in proc.stderr
     assert "n/a" not in proc.stderr and (tmp_path / "summary.json").read_bytes() == kept
 

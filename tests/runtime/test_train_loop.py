@@ -35,11 +35,23 @@ def train_env() -> dict[str, str]:
     return env
 
 
-def run_train(run_dir: Path, nproc: int, overrides: list[str], expect_rc: int | None = 0, common: list[str] = COMMON):
-    """Run train.py under torchrun; returns (metrics lines, the completed process). torchrun itself exits 1
-    when a worker fails; `expect_rc` is the worker's exit code, which torchrun reports."""
-    proc = subprocess.run(torchrun(run_dir, nproc, overrides, common), cwd=ROOT, env=train_env(), capture_output=True,
-                          text=True, timeout=600)
+def python_train(run_dir: Path, overrides: list[str], common: list[str] = COMMON) -> list[str]:
+    """`python train.py` without a launcher: one process, its own one-process group (ling.ranks.init_distributed)."""
+    return [sys.executable, "train.py", *common, f"hydra.run.dir={run_dir}", *overrides]
+
+
+def run_train(run_dir: Path, nproc: int, overrides: list[str], expect_rc: int | None = 0, common: list[str] = COMMON,
+              launcher: bool | None = None):
+    """Run train.py; returns (metrics lines, the completed process). Under torchrun when `launcher` is true, by
+    default (None) when nproc > 1 or a failure is expected: torchrun itself exits 1 when a worker fails, and
+    `expect_rc` is the worker's exit code, which torchrun reports. A successful one-process run goes without the
+    launcher (`python train.py`: one interpreter start-up fewer, ~2 s of CPU) unless the test is about
+    behaviour under torchrun (launcher=True)."""
+    if launcher is None:
+        launcher = nproc > 1 or expect_rc != 0
+    assert launcher or nproc == 1
+    cmd = torchrun(run_dir, nproc, overrides, common) if launcher else python_train(run_dir, overrides, common)
+    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
     if expect_rc == 0:  # a failed worker's traceback sits before torchrun's summary: keep enough of stderr
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-20000:]
     elif expect_rc is not None:
@@ -109,7 +121,7 @@ def test_torn_and_corrupted_checkpoints_are_skipped_and_the_resume_reproduces_th
     (ckpts / "step00000010" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
     os.truncate(ckpts / "step00000009" / "trainer_state_rank0.pt", 100)
     resumed, proc = run_train(tmp_path, 1, [f"train.steps={STEPS}", "train.micro_batch_size=4", "train.save_every=1",
-                                            "train.keep_last=5"])
+                                            "train.keep_last=5"], launcher=True)
     same_losses(full, resumed)  # steps 1-8 kept from before, 9-12 trained again: identical
     log = (tmp_path / "train.log").read_text()  # under torchrun, rank 0's warnings reach train.log
     for tag, why in [("step00000012", "mp_rank_00_model_states.pt does not match its sha256"),
@@ -217,7 +229,7 @@ def test_text_run_validates_summarises_and_logs_the_data_warnings(tmp_path):
     overwrite_4k(shard)
     run = tmp_path / "run"
     metrics, proc = run_train(run, 1, [*data, "precision=fp8", "optim=fp8_adamw", "train.steps=4", "train.eval_every=2",
-                                       "train.eval_batches=2"], common=common)
+                                       "train.eval_batches=2"], common=common, launcher=True)
     assert [("val_loss" in m) for m in metrics] == [False, True, False, True]
     assert all(m["val_loss"] > 0 and m["val_ppl"] > 1 for m in metrics if "val_loss" in m)
     summary = json.loads((run / "summary.json").read_text())
