@@ -448,9 +448,10 @@ if HAS_TRITON:
                 b = tl.load(b_ptr + k_ld[:, None].to(tl.int64) * stride_bk + (blk * 128 + rt)[None, :] * stride_bm)
             sa = tl.load(as_ptr + n_ld * stride_asn + blk * stride_asb)
             sb = tl.load(bs_ptr + k_ld * stride_bsk + blk * stride_bsb)
-            part = tl.dot(a, tl.trans(b))
-            if j < nblk:
-                acc = promote(acc, part, sa, sb, False)
+            # an empty expert's one step adds exact zeros (a finite product times 0): a promote under an `if`
+            # would keep Triton's pipeliner from compiling the loop
+            sa = tl.where(j < nblk, sa, 0.0)
+            acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
             if j == steps - 1:
                 if TMA_STORE:  # the [G·N, K] view: an n-tile never straddles two experts (N % BLOCK_N == 0)
                     c_desc.store([g * N + n0, k0], acc.to(c_desc.dtype))
@@ -643,6 +644,9 @@ class GroupedConfig:
     tokens_warps: int = 1  # warps per program of the token-dim quantizers
 
 
+# Tiles whose token blocks the flat wgrad kernel counts at once (a vector of this length, once per program)
+WGRAD_COUNT_CHUNK = 64
+
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
     "fp8.grouped",
     GroupedConfig(),
@@ -739,7 +743,7 @@ def grouped_gemm_wgrad(
         _grouped_wgrad_flat_kernel[(progs,)](
             a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g, a_scale.shape[1],
             *strides, BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs,
-            COUNT_CHUNK=min(256, triton.next_power_of_2(cdiv(tiles, progs))), TMA=tma,
+            COUNT_CHUNK=min(WGRAD_COUNT_CHUNK, triton.next_power_of_2(cdiv(tiles, progs))), TMA=tma,
             TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
