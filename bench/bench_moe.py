@@ -336,11 +336,11 @@ def sweep(tokens: int, experts: int) -> list[dict]:
     for n, k in ((2 * INTER, H), (H, INTER)):
         wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),
                             G.quantize_tokens_grouped(rand(rows.num_rows, k), rows)))  # fmt: skip
-    wgrad_tiles = [(128, 128, 8, 3, 1), (128, 128, 8, 4, 1), (128, 128, 8, 3, 2), (128, 128, 4, 3, 1),
-                   (64, 128, 4, 3, 2), (64, 128, 4, 4, 3), (64, 256, 8, 3, 2)]  # the k-grouped kernel's
+    wgrad_tiles = [(128, 64, 4, 3, 2), (128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 64, 8, 3, 2), (128, 32, 4, 4, 2),
+                   (256, 64, 8, 3, 1), (128, 128, 8, 3, 1), (64, 128, 4, 3, 2)]  # the k-grouped kernel's
     for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False)):
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
-        with G.GROUPED_TUNING.override(wgrad=cfg, wgrad_short=cfg):
+        with G.GROUPED_TUNING.override(wgrad=cfg):
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),
                       lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023

@@ -386,83 +386,6 @@ if HAS_TRITON:
                          mask=c_mask)  # fmt: skip
 
     @triton.jit
-    def _grouped_wgrad_flat_kernel(
-        a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, as_ptr, bs_ptr, blk_ptr,
-        N, K, G, NB,
-        stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
-        stride_asn, stride_asb, stride_bsk, stride_bsb,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COUNT_CHUNK: tl.constexpr,
-        TMA: tl.constexpr, TMA_STORE: tl.constexpr,
-    ):  # fmt: skip
-        """The k-grouped wgrad of `_grouped_wgrad_kernel` (the same tiles, products and order: the same bits) as
-        one flat loop over the program's steps, a step being one token block of one tile (an expert without
-        tokens: one step that only stores its zero tile). Program p owns tiles p, p + P, …; a tile of expert g
-        takes max(1, blocks[g+1] − blocks[g]) steps. One loop instead of a loop per tile lets the software
-        pipeline run across tile boundaries: the next tile's first blocks load during a tile's last products
-        and its store (the experts' short token loops otherwise drain and refill the pipeline on every tile)."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        num_k = tl.cdiv(K, BLOCK_K)
-        per_g = num_n * num_k
-        num_tiles = G * per_g
-        # this program's step count: a vector sum over its tiles, a chunk at a time
-        total = 0
-        ci = tl.arange(0, COUNT_CHUNK)
-        for c0 in tl.range(0, tl.cdiv(num_tiles - pid, NUM_PROGRAMS), COUNT_CHUNK):
-            t = pid + (c0 + ci) * NUM_PROGRAMS
-            ok = t < num_tiles
-            gi = tl.minimum(t // per_g, G - 1)
-            nb = tl.load(blk_ptr + gi + 1, mask=ok, other=0) - tl.load(blk_ptr + gi, mask=ok, other=0)
-            total += tl.sum(tl.where(ok, tl.maximum(nb, 1), 0))
-        rn = tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        rt = tl.arange(0, 128)
-        tile = pid - NUM_PROGRAMS
-        j = 0
-        steps = 0  # steps of the current tile; j == steps starts the next one
-        g = 0
-        n0 = 0
-        k0 = 0
-        b0 = 0
-        nblk = 0
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for _ in tl.range(0, total):
-            if j == steps:
-                tile += NUM_PROGRAMS
-                j = 0
-                g = tile // per_g
-                n0 = ((tile % per_g) // num_k) * BLOCK_N
-                k0 = (tile % num_k) * BLOCK_K
-                b0 = tl.load(blk_ptr + g)
-                nblk = tl.load(blk_ptr + g + 1) - b0
-                steps = tl.maximum(nblk, 1)
-                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            blk = tl.minimum(b0 + j, NB - 1)  # an empty expert's one step reads a valid block, never used
-            n_ld = tl.minimum(n0 + rn, N - 1)  # tail rows load valid ones (never stored)
-            k_ld = tl.minimum(k0 + rk, K - 1)
-            if TMA:
-                a = a_desc.load([n0, blk * 128])
-                b = b_desc.load([k0, blk * 128])
-            else:
-                a = tl.load(a_ptr + n_ld[:, None].to(tl.int64) * stride_an + (blk * 128 + rt)[None, :] * stride_am)
-                b = tl.load(b_ptr + k_ld[:, None].to(tl.int64) * stride_bk + (blk * 128 + rt)[None, :] * stride_bm)
-            sa = tl.load(as_ptr + n_ld * stride_asn + blk * stride_asb)
-            sb = tl.load(bs_ptr + k_ld * stride_bsk + blk * stride_bsb)
-            # an empty expert's one step adds exact zeros (a finite product times 0): a promote under an `if`
-            # would keep Triton's pipeliner from compiling the loop
-            sa = tl.where(j < nblk, sa, 0.0)
-            acc = promote(acc, tl.dot(a, tl.trans(b)), sa, sb, False)
-            if j == steps - 1:
-                if TMA_STORE:  # the [G·N, K] view: an n-tile never straddles two experts (N % BLOCK_N == 0)
-                    c_desc.store([g * N + n0, k0], acc.to(c_desc.dtype))
-                else:
-                    c_base = c_ptr + g.to(tl.int64) * stride_cg + n0.to(tl.int64) * stride_cn + k0 * stride_ck
-                    c_mask = (rn < N - n0)[:, None] & (rk < K - k0)[None, :]
-                    tl.store(c_base + rn[:, None] * stride_cn + rk[None, :] * stride_ck,
-                             acc.to(c_ptr.dtype.element_ty), mask=c_mask)  # fmt: skip
-            j += 1
-
-    @triton.jit
     def _quant_tokens_grouped_kernel(
         x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
         K, G,
@@ -616,36 +539,29 @@ class GroupedGemmConfig:
     tma: bool = True
     warp_specialize: bool = False
     programs_per_sm: int = 1
-    flatten: bool = False  # wgrad only: one pipelined loop over (tile, token block) steps (_grouped_wgrad_flat_kernel)
 
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    """Launch configuration of the grouped kernels: the GEMM tiles per kind ("fprop" covers forward and dgrad;
-    the wgrad's for experts of many tokens, `wgrad_short` where the experts average at most
-    `short_rows_per_expert` rows) and the rows per program of the memory-bound SwiGLU kernels.
+    """Launch configuration of the grouped kernels: the GEMM tiles per kind ("fprop" covers forward and dgrad)
+    and the rows per program of the memory-bound SwiGLU kernels.
 
     The defaults won the H200 sweeps (bench/bench_moe.py --sweep, 4096 and 16384 tokens, 64 and 256 experts,
     top-8; figures: docs/kernel_tuning.md): forward/dgrad 64x128 tiles with 4 warps, 3 stages, TMA loads and 3
     programs per SM (three programs per SM overlap one program's epilogue with the others' K loops, which are
-    short at these shapes). Wgrad 128x128 tiles with 8 warps, 3 stages and TMA; with one or two token blocks
-    per expert, 64x128 tiles, 4 warps and 2 programs per SM (the K loop is too short to hide a tile's epilogue
-    behind its own loads). 8 rows per SwiGLU program. The token-dim quantizers: 16 features of a 128-token block
-    per one-warp program (the many small programs hide the gathered loads' latency)."""
+    short at these shapes). Wgrad 128x64 tiles of dW (128 along N, 64 along K) with 4 warps, 3 stages, TMA and
+    2 programs per SM at every expert count and token count swept: an expert's token loop is a few blocks long,
+    and two resident programs of small tiles overlap one tile's epilogue with the other's loads. 8 rows per
+    SwiGLU program. The token-dim quantizers: 16 features of a 128-token block per one-warp program (the many
+    small programs hide the gathered loads' latency)."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
-    wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    wgrad_short: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3,
-                                                       programs_per_sm=2)  # fmt: skip
-    short_rows_per_expert: int = 256
+    wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
     tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
     tokens_warps: int = 1  # warps per program of the token-dim quantizers
 
-
-# Tiles whose token blocks the flat wgrad kernel counts at once (a vector of this length, once per program)
-WGRAD_COUNT_CHUNK = 64
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
     "fp8.grouped",
@@ -653,7 +569,6 @@ GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
     interpreter=GroupedConfig(  # small tiles keep Triton's CPU interpreter fast
         fprop=GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
         wgrad=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
-        wgrad_short=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
     ),
 )
 
@@ -720,10 +635,8 @@ def grouped_gemm_wgrad(
                          f"{rows.max_blocks() * BLOCK} token columns (quantize_tokens_grouped's layout)")
     if not use_triton(a, backend):
         return grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    tuning = GROUPED_TUNING.current()
+    cfg = GROUPED_TUNING.current().wgrad
     g = rows.num_groups
-    short = rows.num_rows <= tuning.short_rows_per_expert * g  # a host-side bound: no sync
-    cfg = tuning.wgrad_short if short else tuning.wgrad
     c = torch.empty(g, n, k, device=a.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
@@ -737,21 +650,13 @@ def grouped_gemm_wgrad(
         b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
     if tma_store:
         c_desc = TensorDescriptor.from_tensor(c.view(g * n, k), [cfg.block_m, cfg.block_n])
-    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
-               a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))  # fmt: skip
-    if cfg.flatten:
-        _grouped_wgrad_flat_kernel[(progs,)](
-            a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g, a_scale.shape[1],
-            *strides, BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs,
-            COUNT_CHUNK=min(WGRAD_COUNT_CHUNK, triton.next_power_of_2(cdiv(tiles, progs))), TMA=tma,
-            TMA_STORE=tma_store, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-    else:
-        _grouped_wgrad_kernel[(progs,)](
-            a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g, *strides,
-            BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+    _grouped_wgrad_kernel[(progs,)](
+        a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return c
 
 

@@ -6,8 +6,10 @@ inside a `with` block.
     with QUANT_TUNING.override(col_block_f=64, col_warps=8):      # a benchmark's sweep, a test
         ...
 
-The override lives in a `contextvars.ContextVar`: it is undone when the block exits (also on an exception),
-nested blocks restore the outer choice, and other threads keep the default. Under Triton's CPU interpreter
+The override is undone when the block exits (also on an exception) and nested blocks restore the outer choice.
+While the block runs it holds in every thread of the process: PyTorch's autograd engine runs a CUDA backward on
+its own device threads, and an override that stayed in the calling thread (a `contextvars.ContextVar`, as
+before) silently missed every backward kernel of the block. Under Triton's CPU interpreter
 (TRITON_INTERPRET=1) the default is the `interpreter` config when one is given (small tiles keep it fast); an
 override applies there too.
 """
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
-from contextvars import ContextVar
 from typing import Generic, TypeVar
 
 from kernels.backend import interpreting
@@ -34,13 +36,14 @@ class Tuning(Generic[C]):
         self.name = name
         self.default = default
         self.interpreter = default if interpreter is None else interpreter
-        self._override: ContextVar[C | None] = ContextVar(f"{name}.tuning", default=None)
+        self._overrides: list[tuple[object, C]] = []  # the open `override` blocks: (token, config), innermost last
+        self._lock = threading.Lock()
 
     def current(self) -> C:
-        """The config in force: the innermost override, else the default (the interpreter's under it)."""
-        cfg = self._override.get()
-        if cfg is not None:
-            return cfg
+        """The config in force: the innermost open override, else the default (the interpreter's under it)."""
+        with self._lock:
+            if self._overrides:
+                return self._overrides[-1][1]
         return self.interpreter if interpreting() else self.default
 
     @contextlib.contextmanager
@@ -48,11 +51,14 @@ class Tuning(Generic[C]):
         """Within the block, `current()` is `config` (default: the current config) with `changes` applied
         (`dataclasses.replace`); the previous choice comes back on exit."""
         cfg = dataclasses.replace(self.current() if config is None else config, **changes)
-        token = self._override.set(cfg)
+        token = object()  # this block's entry, removed by identity whatever closed in between
+        with self._lock:
+            self._overrides.append((token, cfg))
         try:
             yield cfg
         finally:
-            self._override.reset(token)
+            with self._lock:
+                self._overrides = [entry for entry in self._overrides if entry[0] is not token]
 
     def __repr__(self) -> str:
         return f"Tuning({self.name!r}, default={self.default!r})"

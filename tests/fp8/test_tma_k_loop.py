@@ -64,7 +64,7 @@ def _grouped_cfg(device: str, loads: str, wgrad: bool) -> GroupedGemmConfig:
         return GroupedGemmConfig(block_m=32, block_n=32 if wgrad else 128, num_warps=4, num_stages=2,
                                  tma=loads == "tma")  # fmt: skip
     tuned = GROUPED_TUNING.current()
-    return dataclasses.replace(tuned.wgrad_short if wgrad else tuned.fprop, tma=loads == "tma")
+    return dataclasses.replace(tuned.wgrad if wgrad else tuned.fprop, tma=loads == "tma")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,7 +81,7 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
     fwd, dw = {}, {}
     for loads in LOADS:
         fprop_cfg, wgrad_cfg = _grouped_cfg(device, loads, False), _grouped_cfg(device, loads, True)
-        with GROUPED_TUNING.override(fprop=fprop_cfg, wgrad=wgrad_cfg, wgrad_short=wgrad_cfg):
+        with GROUPED_TUNING.override(fprop=fprop_cfg, wgrad=wgrad_cfg):
             fwd[loads] = grouped_gemm(x_q, x_s, w_q, w_s, rows, out_dtype=torch.float32, backend="triton").cpu()
             dw[loads] = grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.float32, backend="triton").cpu()
     xd = dequantize_1x128(x_q.cpu(), x_s.cpu(), torch.float64)
@@ -94,38 +94,3 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
     used = int(rows.offsets[-1])
     assert torch.equal(fwd["pointer"][:used], fwd["tma"][:used])
     assert torch.equal(dw["pointer"], dw["tma"])
-
-
-# Wgrad shapes [N, K] for the flat loop: one with more than WGRAD_COUNT_CHUNK = 64 tiles per program (in the
-# interpreter's 4 programs of 32x32 tiles: 80; its step count is summed 64 tiles at a time) whose N the TMA store
-# takes, and one it cannot (pointer stores).
-FLAT_SHAPES = [(256, 128), (96, 64)]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", FLAT_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_grouped_wgrad_flat_loop_is_bit_identical_to_the_tile_loop(device, shape, request):
-    """`GroupedGemmConfig.flatten` runs the wgrad as one loop over (tile, token block) steps; the products and their
-    order are the tile loop's, so the bits are too, with empty experts (one step that stores zeros) among them."""
-    setup_device(device, request)
-    torch.manual_seed(4)
-    n, k = shape
-    rows, segs = layout(LENGTHS, 16, device)
-    dyt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, n, device), rows, backend="triton")
-    xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, k, device, 3.0), rows, backend="triton")
-    dw = {}
-    for flatten in (False, True):
-        for loads in LOADS if device == "cuda" else ("pointer",):
-            cfg = dataclasses.replace(_grouped_cfg(device, loads, True), flatten=flatten)
-            with GROUPED_TUNING.override(wgrad=cfg, wgrad_short=cfg):
-                for out_dtype in (torch.float32, torch.bfloat16):
-                    dw[flatten, loads, out_dtype] = grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=out_dtype,
-                                                                       backend="triton").cpu()  # fmt: skip
-    for (flatten, loads, out_dtype), out in dw.items():
-        ref = dw[False, "pointer", out_dtype]
-        assert torch.equal(out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
-                           ref.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)), (flatten, loads)
-    for e, (lo, hi) in enumerate(segs):
-        if hi == lo:
-            assert torch.equal(dw[True, "pointer", torch.float32][e], torch.zeros(n, k))
-    assert dw[False, "pointer", torch.float32].abs().sum() > 0
