@@ -8,8 +8,10 @@ grouped GEMMs, the whole MoE layer forward+backward, the padded-row fraction and
 Grouped GEMMs (TFLOPS = 2·(routed rows)·N·K / median time; our padded rows are not counted): ours (blockwise
 FP8, fp8/grouped.py, with routing-map padding to 16) vs `torch._grouped_mm` bf16 vs `torch._scaled_grouped_mm`
 with rowwise FP8 scales (cuBLAS/CUTLASS; forward and dgrad only). MoE layer: router + dispatch + experts +
-combine + shared expert, forward+backward, FP8 (padding on/off; with `fp8.expert_wgrad=bf16`) vs bf16, weights
-cached as within one optimizer step of gradient accumulation. Routing comes from the real router with random
+combine + shared expert, forward+backward, FP8 (padding on/off; with `fp8.expert_wgrad=bf16`; with the fused and the
+separate quantizations of the routed tokens and dy) vs bf16, weights cached as within one optimizer step of gradient
+accumulation. Quantizers: the routed tokens' row and token-dim quantizations, two kernels against one
+(`quantize_gathered_dual` at several chunk shapes, bits compared). Routing comes from the real router with random
 weights and a mild imbalance. Markdown tables are printed last.
 
 `--dispatch`: the dispatch of one layer without expert parallelism, on its own: `plan_dispatch` (routing-map
@@ -159,6 +161,41 @@ def gemm_rows(tokens: int, experts: int) -> list[dict]:
     return results
 
 
+DUAL_CHUNKS = ((32, 4), (16, 1), (16, 2), (32, 2), (64, 4), (32, 8), (128, 8))  # quantize_gathered_dual (F, warps)
+
+
+def quant_rows(tokens: int, experts: int) -> list[dict]:
+    """The routed tokens' two quantizations (gathered x [T, H] bf16 → rows along K and the block-aligned token-dim
+    operand): the row and token-dim kernels one after the other against `quantize_gathered_dual` (one read) at
+    several chunk shapes, same bits checked. GB/s count one gathered read of x and both codes written."""
+    idx, _ = routing(tokens, experts)
+    plan = plan_dispatch(idx, experts, 16)
+    rows, src = plan.rows, plan.row_src
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    routed = int(rows.offsets[-1])
+    gbytes = routed * H * (2 + 2) / 1e9
+    rows_ms = bench(lambda: G.quantize_rows_gathered(x, src, rows))
+    tokens_ms = bench(lambda: G.quantize_tokens_grouped(x, rows, src))
+    pair_ms = bench(lambda: (G.quantize_rows_gathered(x, src, rows), G.quantize_tokens_grouped(x, rows, src)))
+    out = [{"tokens": tokens, "kernel": "rows (gathered)", "ms": rows_ms},
+           {"tokens": tokens, "kernel": "tokens (gathered, block-aligned)", "ms": tokens_ms},
+           {"tokens": tokens, "kernel": "rows + tokens", "ms": pair_ms, "gbs": gbytes / pair_ms * 1e3}]  # fmt: skip
+    q, s_ = G.quantize_rows_gathered(x, src, rows)
+    qt, st = G.quantize_tokens_grouped(x, rows, src)
+    nb = int(rows.block_offsets()[-1])
+    for bf, warps in DUAL_CHUNKS:
+        with G.GROUPED_TUNING.override(dual_block_f=bf, dual_warps=warps):
+            q2, s2, qt2, st2 = G.quantize_gathered_dual(x, rows, src)
+            same = (torch.equal(q2[:routed].view(torch.uint8), q[:routed].view(torch.uint8))
+                    and torch.equal(s2[:routed], s_[:routed])
+                    and torch.equal(qt2[:, :nb * 128].view(torch.uint8), qt[:, :nb * 128].view(torch.uint8))
+                    and torch.equal(st2[:, :nb], st[:, :nb]))  # fmt: skip
+            ms = bench(lambda: G.quantize_gathered_dual(x, rows, src))
+        out.append({"tokens": tokens, "kernel": f"dual, {bf} features x {warps} warps", "ms": ms,
+                    "gbs": gbytes / ms * 1e3, "same_bits": same})  # fmt: skip
+    return out
+
+
 def correctness(tokens: int, experts: int) -> dict:
     """Norm-relative error of our forward GEMM against float64 of the dequantized operands (fresh inputs)."""
     from fp8.quant import dequantize_1x128, dequantize_128x128
@@ -190,52 +227,61 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
     (`fp8.expert_wgrad=bf16`). Saved activations via saved-tensor hooks."""
     results = []
     base = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
-    variants = {"bf16": base, "fp8, padding on": base.replace(precision="fp8"),
-                "fp8, padding off": base.replace(precision="fp8", pad_for_fp8=False),
-                "fp8, bf16 wgrad": base.replace(precision="fp8", fp8_expert_wgrad="bf16")}  # fmt: skip
+    fp8 = base.replace(precision="fp8")
+    variants = {"bf16": (base, {}), "fp8, padding on": (fp8, {}),
+                "fp8, padding off": (base.replace(precision="fp8", pad_for_fp8=False), {}),
+                "fp8, bf16 wgrad": (base.replace(precision="fp8", fp8_expert_wgrad="bf16"), {}),
+                "fp8, fused dual quant": (fp8, {"fuse_dual_quant": True}),
+                "fp8, separate quant": (fp8, {"fuse_dual_quant": False})}  # fmt: skip
     torch.manual_seed(0)
     state = None
-    for name, cfg in variants.items():
-        moe = MoE(cfg).cuda().bfloat16()
-        if state is None:
-            for p in moe.parameters():
-                torch.nn.init.normal_(p, std=0.02)
-            with torch.no_grad():
-                moe.router.expert_bias += torch.linspace(0, 0.02, experts, device="cuda")
-            state = moe.state_dict()
-        moe.load_state_dict(state)
-        x = torch.randn(1, tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn_like(x)
-
-        def step(moe=moe, x=x, g=g):
-            for p in moe.parameters():  # as each micro-batch's own gradients: no accumulation kernels
-                p.grad = None
-            x.grad = None
-            out, _ = moe(x)
-            out.backward(g)
-
-        step()
-        saved = [0]
-
-        def pack(t, saved=saved):
-            saved[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out, _ = moe(x)
-        del out
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        ms = bench(step)
-        peak = torch.cuda.max_memory_allocated() - before
-        busy = gpu_busy_ms(step)
-        flops = 6 * tokens * TOPK * 3 * H * INTER  # routed experts' matmul FLOPs, fwd + bwd
-        results.append({"variant": name, "tokens": tokens, "ms": ms, "busy_ms": busy, "expert_tflops": flops / ms / 1e9,
-                        "saved_mib": saved[0] / 2**20, "peak_mib": peak / 2**20})  # fmt: skip
-        del moe, x, g
+    for name, (cfg, tuning) in variants.items():
+        with G.GROUPED_TUNING.override(**tuning):  # holds in autograd's backward thread too
+            results.append(layer_variant(name, cfg, tokens, experts, state))
+            state = results[-1].pop("state")
         torch.cuda.empty_cache()
     return results
+
+
+def layer_variant(name: str, cfg: ModelConfig, tokens: int, experts: int, state: dict | None) -> dict:
+    """One row of `layer_rows`; `state` the weights of the first variant (None: this is it, initialize)."""
+    moe = MoE(cfg).cuda().bfloat16()
+    if state is None:
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        with torch.no_grad():
+            moe.router.expert_bias += torch.linspace(0, 0.02, experts, device="cuda")
+        state = moe.state_dict()
+    moe.load_state_dict(state)
+    x = torch.randn(1, tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def step(moe=moe, x=x, g=g):
+        for p in moe.parameters():  # as each micro-batch's own gradients: no accumulation kernels
+            p.grad = None
+        x.grad = None
+        out, _ = moe(x)
+        out.backward(g)
+
+    step()
+    saved = [0]
+
+    def pack(t, saved=saved):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = moe(x)
+    del out
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    ms = bench(step)
+    peak = torch.cuda.max_memory_allocated() - before
+    busy = gpu_busy_ms(step)
+    flops = 6 * tokens * TOPK * 3 * H * INTER  # routed experts' matmul FLOPs, fwd + bwd
+    return {"variant": name, "tokens": tokens, "ms": ms, "busy_ms": busy, "expert_tflops": flops / ms / 1e9,
+            "saved_mib": saved[0] / 2**20, "peak_mib": peak / 2**20, "state": state}  # fmt: skip
 
 
 def dispatch_rows(tokens: int, experts: int) -> dict:
@@ -410,6 +456,7 @@ def main() -> None:
     report["padding"] = [padded_fraction(t, e) for t in token_counts for e in (args.experts, 64)]
     if not args.skip_gemm:
         report["gemm"] = [r for t in token_counts for r in gemm_rows(t, args.experts)]
+    report["quant"] = [r for t in token_counts for r in quant_rows(t, args.experts)]
     if not args.skip_layer:
         report["layer"] = [r for t in token_counts for r in layer_rows(t, args.experts)]
     if args.profile:
@@ -432,6 +479,12 @@ def main() -> None:
         for r in report["gemm"]:
             print(f"| {r['tokens']} | {r['gemm']} | {r['n']}×{r['k']} | {r['ours']:.0f} | {r['bf16']:.0f} | "
                   f"{r['scaled']:.0f} | {r['ours'] / r['bf16']:.2f} |")
+    print(f"\n### The routed tokens' two quantizations, {args.experts} experts, x [tokens, {H}] bf16 gathered\n")
+    print("| tokens | kernel | ms | GB/s (one read, both writes) | same bits |")
+    print("|---|---|---|---|---|")
+    for r in report["quant"]:
+        gbs = f"{r['gbs']:.0f}" if "gbs" in r else ""
+        print(f"| {r['tokens']} | {r['kernel']} | {r['ms']:.3f} | {gbs} | {r.get('same_bits', '')} |")
     if "layer" not in report:
         return
     print(f"\n### MoE layer forward+backward, {args.experts} experts (router, dispatch, experts, combine, shared)\n")

@@ -74,6 +74,7 @@ __all__ = [
     "quantize_rows_gathered",
     "quantize_tokens_grouped",
     "quantize_tokens_grouped_ref",
+    "quantize_gathered_dual",
     "token_columns",
     "swiglu_quantize",
     "swiglu_backward",
@@ -441,6 +442,66 @@ if HAS_TRITON:
         tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
 
     @triton.jit
+    def _quant_dual_grouped_kernel(
+        x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
+        K, G,
+        stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk, stride_qtk, stride_qtm, stride_stk,
+        stride_stb,
+        BLOCK_F: tl.constexpr, HAS_IDX: tl.constexpr, ALIGNED: tl.constexpr, POW2: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):  # fmt: skip
+        """Both quantizations of one [128 tokens, 128 features] box of a segment's token block b and K block kb,
+        from one read of x: 1x128 along tokens (`_quant_tokens_grouped_kernel`'s codes and scales, written
+        transposed into the block's columns of qt) and 1x128 along K (`_quant_rows_kernel`'s codes and scales at
+        the rows' own positions in q). Same maths, so the same bits as the two kernels.
+
+        Two passes over BLOCK_F-wide chunks keep few registers live: the first quantizes each chunk along tokens
+        and gathers the rows' amax, the second re-reads the chunks (from cache) and quantizes them along K."""
+        pid_b = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if pid_b >= tl.load(blk_ptr + G):
+            return
+        g = _find_group(blk_ptr, pid_b, G, STEPS)
+        row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
+        left = tl.load(offs_ptr + g + 1) - row0  # rows of the segment from row0 on
+        if ALIGNED:
+            row0 = tl.multiple_of(row0, 16)
+            left = tl.multiple_of(left, 16)
+        rows = row0 + tl.arange(0, 128)
+        in_seg = tl.arange(0, 128) < left
+        if HAS_IDX:
+            src = tl.load(idx_ptr + rows, mask=in_seg, other=-1)
+            ok = src >= 0
+        else:
+            src = rows
+            ok = in_seg
+        cols = pid_b * 128 + tl.arange(0, 128)  # the block's columns of qt: rows past the segment's end are zeros
+        row_amax = tl.zeros((128,), dtype=tl.float32)
+        row_nans = tl.zeros((128,), dtype=tl.int32)
+        for f in tl.range(0, 128, BLOCK_F):  # a runtime loop: the second pass must re-load, not keep, the chunks
+            offs_k = pid_k * 128 + f + tl.arange(0, BLOCK_F)
+            k_ok = offs_k < K
+            v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            nans = (v != v).to(tl.int32)
+            scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum(nans, axis=0), POW2)
+            qt = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
+            tl.store(qt_ptr + offs_k[None, :] * stride_qtk + cols[:, None] * stride_qtm, qt, mask=k_ok[None, :])
+            tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
+            row_amax = tl.maximum(row_amax, tl.max(tl.abs(v), axis=1))
+            row_nans += tl.sum(nans, axis=1)
+        row_scale = scale_from_amax_tl(row_amax, row_nans, POW2)
+        for f in tl.range(0, 128, BLOCK_F):
+            offs_k = pid_k * 128 + f + tl.arange(0, BLOCK_F)
+            k_ok = offs_k < K
+            v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                        mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            q = tl.math.div_rn(v, row_scale[:, None]).to(tl.float8e4nv)
+            tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, q,
+                     mask=in_seg[:, None] & k_ok[None, :])  # fmt: skip
+        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, row_scale, mask=in_seg)
+
+    @triton.jit
     def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
         """Quantize a [rows, 128] fp32 block 1x128 along its columns; store the codes and the row scales."""
         scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
@@ -561,6 +622,9 @@ class GroupedConfig:
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
     tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
     tokens_warps: int = 1  # warps per program of the token-dim quantizers
+    fuse_dual_quant: bool = False  # x's and dy's two quantizations from one read each (quantize_gathered_dual)
+    dual_block_f: int = 32  # features per chunk of quantize_gathered_dual's two passes; divides 128
+    dual_warps: int = 4  # warps per program of quantize_gathered_dual
 
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
@@ -690,6 +754,40 @@ def quantize_tokens_grouped(
     return _launch_tokens_grouped(x, None, row_idx, None, rows, k, 0, pow2_scales)
 
 
+def quantize_gathered_dual(
+    x: torch.Tensor, rows: GroupedRows, row_idx: torch.Tensor | None = None, pow2_scales: bool = False,
+    *, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`quantize_rows_gathered(x, row_idx, rows)` and `quantize_tokens_grouped(x, rows, row_idx)` from one read of
+    x: (E4M3 [M, K], scale [M, ceil(K/128)] along K; E4M3 [K, 128·max_blocks], scale [K, max_blocks] along tokens,
+    block-aligned). The same bits as the two calls; rows from rows.total on are left unwritten (zero in the
+    reference). x [M, K] float (or [T, K] gathered through row_idx int32 [M], zero rows where row_idx < 0)."""
+    if row_idx is None:
+        _check_rows(rows, x.shape[0], "x")
+    if not use_triton(x, backend):
+        q, s = quantize_1x128_ref(gather_rows_ref(x, row_idx), pow2_scales)
+        return (q, s, *quantize_tokens_grouped_ref(x, rows, row_idx, pow2_scales))
+    m, k = rows.num_rows, x.shape[1]
+    nb = rows.max_blocks()
+    q = torch.empty(m, k, device=x.device, dtype=E4M3)
+    s = torch.empty(cdiv(k, BLOCK), m, device=x.device, dtype=torch.float32).t()
+    qt = torch.empty(k, nb * BLOCK, device=x.device, dtype=E4M3)
+    st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
+    if m and k:
+        tuning = GROUPED_TUNING.current()
+        bf = tuning.dual_block_f
+        if BLOCK % bf:
+            raise ValueError(f"GroupedConfig.dual_block_f must divide {BLOCK}, got {bf}")
+        _quant_dual_grouped_kernel[(nb, cdiv(k, BLOCK))](
+            x, row_idx if row_idx is not None else s, q, s, qt, st, rows.offsets, rows.block_offsets(), k,
+            rows.num_groups, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+            qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
+            BLOCK_F=bf, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0, POW2=pow2_scales,
+            STEPS=_search_steps(rows.num_groups), num_warps=tuning.dual_warps,
+        )  # fmt: skip
+    return q, s, qt, st
+
+
 def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prologue: int, pow2: bool):
     nb = rows.max_blocks()
     qt = torch.empty(k, nb * BLOCK, device=x.device, dtype=E4M3)
@@ -811,13 +909,17 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         row_gate = torch.zeros(m, device=x.device, dtype=torch.float32)
         row_gate.scatter_(0, pos.reshape(-1).long(), topk_weight.reshape(-1).float())
         need_wgrad = need_grad and (w_gate_up.requires_grad or w_down.requires_grad)
-        x_q, x_s = quantize_rows_gathered(x, row_src, rows, pow2)
-        if not need_wgrad:
-            wgrad_saved = ()
-        elif wgrad == "bf16":
-            wgrad_saved = (x,)
+        if need_wgrad and wgrad == "fp8" and GROUPED_TUNING.current().fuse_dual_quant:
+            x_q, x_s, xt_q, xt_s = quantize_gathered_dual(x, rows, row_src, pow2)  # xᵀ from the same read
+            wgrad_saved = (xt_q, xt_s)
         else:
-            wgrad_saved = quantize_tokens_grouped(x, rows, row_src, pow2)
+            x_q, x_s = quantize_rows_gathered(x, row_src, rows, pow2)
+            if not need_wgrad:
+                wgrad_saved = ()
+            elif wgrad == "bf16":
+                wgrad_saved = (x,)
+            else:
+                wgrad_saved = quantize_tokens_grouped(x, rows, row_src, pow2)
         h = grouped_gemm(x_q, x_s, gu_q, gu_s, rows, out_dtype=x.dtype)
         del x_q, x_s
         a_q, a_s, h_q, h_s = swiglu_quantize(h, row_gate, rows, save_h=need_grad, pow2_scales=pow2)
@@ -836,7 +938,12 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         x_dtype, w_dtype, gu_dtype, d_dtype = ctx.dtypes
         dout = dout.contiguous()
         # dy_perm[r] = dout[row_src[r]]: the combine's adjoint, fused into both quantizations of dy
-        dy_q, dy_s = quantize_rows_gathered(dout, row_src, rows, pow2)
+        fp8_wgrad = ctx.need_wgrad and ctx.wgrad == "fp8"
+        if fp8_wgrad and GROUPED_TUNING.current().fuse_dual_quant:  # dyᵀ from the same read of dout
+            dy_q, dy_s, dyt_q, dyt_s = quantize_gathered_dual(dout, rows, row_src, pow2)
+        else:
+            dy_q, dy_s = quantize_rows_gathered(dout, row_src, rows, pow2)
+            dyt_q = dyt_s = None
         dwt_q, dwt_s = fp8_transpose_128x128(d_q, d_s)  # [E, I, H], on demand, freed below
         da = grouped_gemm(dy_q, dy_s, dwt_q, dwt_s, rows, out_dtype=x_dtype)
         del dy_q, dy_s, dwt_q, dwt_s
@@ -850,9 +957,10 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
             dw_d = grouped_wgrad_bf16(gather_rows(dout, row_src), a, rows, d_dtype)  # pad rows read dy = 0
             del a
             dw_gu = grouped_wgrad_bf16(dh, gather_rows(x, row_src), rows, gu_dtype)
-        elif ctx.need_wgrad:
+        elif fp8_wgrad:
             xt_q, xt_s = wgrad_saved
-            dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
+            if dyt_q is None:
+                dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
             at_q, at_s = swiglu_quantize_tokens(h_q, h_s, row_gate, rows, pow2)
             dw_d = grouped_gemm_wgrad(dyt_q, dyt_s, at_q, at_s, rows, out_dtype=d_dtype)
             del dyt_q, dyt_s, at_q, at_s

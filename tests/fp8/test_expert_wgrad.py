@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8.grouped import (
+    GROUPED_TUNING,
     fp8_grouped_experts,
     grouped_gemm,
     grouped_gemm_wgrad,
@@ -119,6 +120,22 @@ def test_default_is_the_blockwise_recipe_bit_for_bit():
                                  *quantize_tokens_grouped(x, rows, plan.row_src), rows)  # fmt: skip
     for got in (run(c, None), run(c, "fp8")):
         assert torch.equal(got[3], want_gu) and torch.equal(got[4], want_d)
+
+
+def test_fused_dual_quantization_changes_no_bit(monkeypatch, request):
+    """`GroupedConfig.fuse_dual_quant`: xᵀ and dyᵀ from the same reads as the row quantizations; the output and
+    every gradient keep their bits. In Triton's interpreter (the reference path has nothing to fuse)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter on CPU")
+    request.getfixturevalue("triton_interpreter")
+    monkeypatch.setenv("LING_FP8_BACKEND", "triton")
+    c = case(4, t=40, e=8, h=128)
+    with GROUPED_TUNING.override(fuse_dual_quant=False):
+        separate = run(c, "fp8")
+    with GROUPED_TUNING.override(fuse_dual_quant=True):
+        fused = run(c, "fp8")
+    for u, v in zip(separate, fused):
+        assert torch.equal(u, v)
 
 
 def test_bf16_wgrad_is_closer_to_the_exact_gradient_than_the_fp8_wgrad():

@@ -14,6 +14,7 @@ from fp8.grouped import (
     grouped_gemm,
     grouped_gemm_wgrad,
     quantize_expert_weights,
+    quantize_gathered_dual,
     quantize_rows_gathered,
     quantize_tokens_grouped,
     quantize_tokens_grouped_ref,
@@ -132,6 +133,13 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
             qt, st = quantize_tokens_grouped(tokens, rows, row_src, backend="triton")
         assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128]), chunk  # every used block, zero tails included
         assert torch.equal(st[:, :nb].cpu(), st_ref[:, :nb]), chunk
+    # both quantizations from one read: the same bits as the two kernels, at every chunk width
+    for chunk in ({}, {"dual_block_f": 128, "dual_warps": 8}, {"dual_block_f": 16, "dual_warps": 1}):
+        with GROUPED_TUNING.override(**chunk):
+            q2, s2, qt2, st2 = quantize_gathered_dual(tokens, rows, row_src, backend="triton")
+        assert bits_equal(used(q2, rows), used(q_ref, rows)) and torch.equal(used(s2, rows), used(s_ref, rows)), chunk
+        assert bits_equal(qt2[:, :nb * 128], qt_ref[:, :nb * 128]), chunk
+        assert torch.equal(st2[:, :nb].cpu(), st_ref[:, :nb]), chunk
     # the gather itself, and its adjoint the ordered sum, exactly
     gathered = gather_rows(tokens, row_src, backend="triton")
     assert torch.equal(gathered.cpu(), gather_rows(tokens.cpu(), row_src.cpu(), backend="torch"))
@@ -139,6 +147,28 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
     summed = sum_rows(gathered, pos, out_dtype=torch.float32, backend="triton")
     expected = sum(gathered.cpu().float()[pos.cpu().long()[:, j]] for j in range(4))
     assert torch.equal(summed.cpu(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_dual_quantizer_keeps_nan_inf_and_k_tails_like_the_reference(device, pow2, request):
+    """A NaN or an Inf poisons exactly its row block and its token block (their scales), K tails form partial blocks;
+    ungathered input (row_idx None) reads rows in place."""
+    setup_device(device, request)
+    torch.manual_seed(3)
+    rows, segs = layout([5, 0, 140, 37], 16, device)
+    x = data_rows(segs, rows.num_rows, 200, device, 4.0).to(torch.bfloat16)
+    lo = segs[2][0]
+    x[lo + 3, 7] = float("nan")
+    x[lo + 130, 150] = float("inf")
+    q, s, qt, st = quantize_gathered_dual(x, rows, None, pow2, backend="triton")
+    q_ref, s_ref = quantize_1x128(x.cpu(), pow2, backend="torch")
+    qt_ref, st_ref = quantize_tokens_grouped_ref(x.cpu(), _cpu(rows), None, pow2)
+    nb = int(rows.block_offsets()[-1])
+    assert bits_equal(used(q, rows), used(q_ref, rows)) and bits_equal(used(s, rows), used(s_ref, rows))
+    assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128]) and bits_equal(st[:, :nb], st_ref[:, :nb])
+    assert torch.isnan(s[lo + 3, 0]).item() and not torch.isnan(s[lo + 3, 1]).item()
+    assert torch.isinf(st[150, int(rows.block_offsets()[2]) + 1]).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
