@@ -614,7 +614,9 @@ class GroupedConfig:
     2 programs per SM at every expert count and token count swept: an expert's token loop is a few blocks long,
     and two resident programs of small tiles overlap one tile's epilogue with the other's loads. 8 rows per
     SwiGLU program. The token-dim quantizers: 16 features of a 128-token block per one-warp program (the many
-    small programs hide the gathered loads' latency)."""
+    small programs hide the gathered loads' latency). `fuse_dual_quant` replaces the routed tokens' (and dy's)
+    row kernel + token-dim kernel by `quantize_gathered_dual` (one read of the gathered rows, two passes over
+    `dual_block_f`-wide chunks of a 128x128 box, `dual_warps` warps); the same bits either way."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
