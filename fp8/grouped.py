@@ -130,6 +130,18 @@ class GroupedRows:
             self._tables[block] = table
         return self._tables[block]
 
+    def block_groups(self, block: int = BLOCK) -> torch.Tensor:
+        """int32 [max_blocks(block)]: the segment owning each block (G past the used blocks), so that a kernel
+        with one program per block finds its segment with one load instead of a binary search. On the device,
+        once per block size."""
+        key = ("groups", block)
+        if key not in self._tables:
+            table = self.block_offsets(block)
+            ids = torch.arange(self.max_blocks(block), device=table.device, dtype=torch.int32)
+            # the last g with table[g] <= b: among empty segments' equal entries, the non-empty one after them
+            self._tables[key] = torch.searchsorted(table, ids, right=True, out_int32=True) - 1
+        return self._tables[key]
+
     def max_blocks(self, block: int = BLOCK) -> int:
         """A host-side bound on block_offsets(block)[G]: each segment adds at most one partial block."""
         return cdiv(self.num_rows, block) + self.num_groups
@@ -388,11 +400,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _quant_tokens_grouped_kernel(
-        x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
+        x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr, grp_ptr,
         K, G,
         stride_xm, stride_xk, stride_xsm, stride_xsk, stride_qtk, stride_qtm, stride_stk, stride_stb,
         BLOCK_F: tl.constexpr, PROLOGUE: tl.constexpr, HAS_IDX: tl.constexpr, ALIGNED: tl.constexpr,
-        POW2: tl.constexpr, STEPS: tl.constexpr,
+        POW2: tl.constexpr,
     ):  # fmt: skip
         """1x128 quantization along tokens of one [128 tokens, BLOCK_F features] chunk of one segment's token
         block b (blocks restart at segment starts), written transposed into the block's own columns
@@ -405,7 +417,7 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         if pid_b >= tl.load(blk_ptr + G):
             return
-        g = _find_group(blk_ptr, pid_b, G, STEPS)
+        g = tl.load(grp_ptr + pid_b)  # GroupedRows.block_groups
         row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
         left = tl.load(offs_ptr + g + 1) - row0  # rows of the segment from row0 on
         if ALIGNED:  # 16-aligned segments: the row masks are constant over 16 rows (16-byte index loads)
@@ -443,12 +455,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _quant_dual_grouped_kernel(
-        x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr,
+        x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr, grp_ptr,
         K, G,
         stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk, stride_qtk, stride_qtm, stride_stk,
         stride_stb,
         BLOCK_F: tl.constexpr, HAS_IDX: tl.constexpr, ALIGNED: tl.constexpr, POW2: tl.constexpr,
-        STEPS: tl.constexpr,
     ):  # fmt: skip
         """Both quantizations of one [128 tokens, 128 features] box of a segment's token block b and K block kb,
         from one read of x: 1x128 along tokens (`_quant_tokens_grouped_kernel`'s codes and scales, written
@@ -461,7 +472,7 @@ if HAS_TRITON:
         pid_k = tl.program_id(1)
         if pid_b >= tl.load(blk_ptr + G):
             return
-        g = _find_group(blk_ptr, pid_b, G, STEPS)
+        g = tl.load(grp_ptr + pid_b)  # GroupedRows.block_groups
         row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
         left = tl.load(offs_ptr + g + 1) - row0  # rows of the segment from row0 on
         if ALIGNED:
@@ -781,11 +792,11 @@ def quantize_gathered_dual(
         if BLOCK % bf:
             raise ValueError(f"GroupedConfig.dual_block_f must divide {BLOCK}, got {bf}")
         _quant_dual_grouped_kernel[(nb, cdiv(k, BLOCK))](
-            x, row_idx if row_idx is not None else s, q, s, qt, st, rows.offsets, rows.block_offsets(), k,
-            rows.num_groups, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-            qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
+            x, row_idx if row_idx is not None else s, q, s, qt, st, rows.offsets, rows.block_offsets(),
+            rows.block_groups(), k, rows.num_groups, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
+            s.stride(0), s.stride(1), qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
             BLOCK_F=bf, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0, POW2=pow2_scales,
-            STEPS=_search_steps(rows.num_groups), num_warps=tuning.dual_warps,
+            num_warps=tuning.dual_warps,
         )  # fmt: skip
     return q, s, qt, st
 
@@ -803,11 +814,11 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
         xs_ = xs if xs is not None else dummy
         _quant_tokens_grouped_kernel[(nb, cdiv(k, bf))](
             x, xs_, row_idx if row_idx is not None else dummy, gate if gate is not None else dummy, qt, st,
-            rows.offsets, rows.block_offsets(), k, rows.num_groups,
+            rows.offsets, rows.block_offsets(), rows.block_groups(), k, rows.num_groups,
             x.stride(0), x.stride(1), xs_.stride(0), xs_.stride(1), qt.stride(0), qt.stride(1), st.stride(0),
             st.stride(1),
             BLOCK_F=bf, PROLOGUE=prologue, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0,
-            POW2=pow2, STEPS=_search_steps(rows.num_groups), num_warps=tuning.tokens_warps,
+            POW2=pow2, num_warps=tuning.tokens_warps,
         )  # fmt: skip
     return qt, st
 

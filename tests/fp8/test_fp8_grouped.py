@@ -149,6 +149,18 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
     assert torch.equal(summed.cpu(), expected)
 
 
+def test_block_groups_name_the_owner_of_every_block():
+    """Each 128-row block's segment (empty segments own none), and G past the used blocks."""
+    for alignment in (1, 16):
+        rows, segs = layout(LENGTHS, alignment, "cpu")
+        want = [g for g, (lo, hi) in enumerate(zip(rows.offsets[:-1].tolist(), rows.offsets[1:].tolist()))
+                for _ in range(-(-(hi - lo) // 128))]  # fmt: skip
+        got = rows.block_groups()
+        assert got.dtype == torch.int32 and got.shape == (rows.max_blocks(),)
+        assert got[:len(want)].tolist() == want
+        assert set(got[len(want):].tolist()) <= {len(LENGTHS)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pow2", [False, True])
 def test_dual_quantizer_keeps_nan_inf_and_k_tails_like_the_reference(device, pow2, request):
