@@ -180,6 +180,14 @@ def quant_rows(tokens: int, experts: int) -> list[dict]:
     out = [{"tokens": tokens, "kernel": "rows (gathered)", "ms": rows_ms},
            {"tokens": tokens, "kernel": "tokens (gathered, block-aligned)", "ms": tokens_ms},
            {"tokens": tokens, "kernel": "rows + tokens", "ms": pair_ms, "gbs": gbytes / pair_ms * 1e3}]  # fmt: skip
+    dh = torch.randn(rows.num_rows, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+    h_q, h_s = quantize_1x128(torch.randn(rows.num_rows, 2 * INTER, device="cuda", dtype=torch.bfloat16))
+    row_gate = torch.rand(rows.num_rows, device="cuda")
+    dh_ms = bench(lambda: G.quantize_tokens_grouped(dh, rows))
+    a_ms = bench(lambda: G.swiglu_quantize_tokens(h_q, h_s, row_gate, rows))
+    out += [{"tokens": tokens, "kernel": f"tokens (dh [R, {2 * INTER}])", "ms": dh_ms},
+            {"tokens": tokens, "kernel": "tokens (SwiGLU output from FP8 h)", "ms": a_ms},
+            {"tokens": tokens, "kernel": "tokens: gathered x + dh + SwiGLU output", "ms": tokens_ms + dh_ms + a_ms}]
     q, s_ = G.quantize_rows_gathered(x, src, rows)
     qt, st = G.quantize_tokens_grouped(x, rows, src)
     nb = int(rows.block_offsets()[-1])
