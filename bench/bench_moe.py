@@ -201,6 +201,23 @@ def quant_rows(tokens: int, experts: int) -> list[dict]:
             ms = bench(lambda: G.quantize_gathered_dual(x, rows, src))
         out.append({"tokens": tokens, "kernel": f"dual, {bf} features x {warps} warps", "ms": ms,
                     "gbs": gbytes / ms * 1e3, "same_bits": same})  # fmt: skip
+    # the SwiGLU backward and dh's token-dim quantization: two kernels and a bf16 dh, or one kernel
+    da = torch.randn(rows.num_rows, INTER, device="cuda", dtype=torch.bfloat16)
+    da[src < 0] = 0
+    dh, dh_q, dh_s, _ = G.swiglu_backward(h_q, h_s, da, row_gate, rows)
+    dht_q, dht_s = G.quantize_tokens_grouped(dh, rows)
+    pair_ms = bench(lambda: G.quantize_tokens_grouped(G.swiglu_backward(h_q, h_s, da, row_gate, rows)[0], rows))
+    out.append({"tokens": tokens, "kernel": "SwiGLU backward + tokens (dh)", "ms": pair_ms})
+    for bf, warps in DUAL_CHUNKS:
+        with G.GROUPED_TUNING.override(dual_block_f=bf, dual_warps=warps):
+            f_q, f_s, ft_q, ft_s, _ = G.swiglu_backward_tokens(h_q, h_s, da, row_gate, rows)
+            same = (torch.equal(f_q[:routed].view(torch.uint8), dh_q[:routed].view(torch.uint8))
+                    and torch.equal(f_s[:routed], dh_s[:routed])
+                    and torch.equal(ft_q[:, :nb * 128].view(torch.uint8), dht_q[:, :nb * 128].view(torch.uint8))
+                    and torch.equal(ft_s[:, :nb], dht_s[:, :nb]))  # fmt: skip
+            ms = bench(lambda: G.swiglu_backward_tokens(h_q, h_s, da, row_gate, rows))
+        out.append({"tokens": tokens, "kernel": f"SwiGLU backward with dh tokens, {bf} x {warps}", "ms": ms,
+                    "same_bits": same})  # fmt: skip
     return out
 
 
@@ -239,8 +256,10 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
     variants = {"bf16": (base, {}), "fp8, padding on": (fp8, {}),
                 "fp8, padding off": (base.replace(precision="fp8", pad_for_fp8=False), {}),
                 "fp8, bf16 wgrad": (base.replace(precision="fp8", fp8_expert_wgrad="bf16"), {}),
-                "fp8, fused dual quant": (fp8, {"fuse_dual_quant": True}),
-                "fp8, separate quant": (fp8, {"fuse_dual_quant": False})}  # fmt: skip
+                "fp8, separate quant": (fp8, {"fuse_dual_quant": False, "fuse_dh_tokens": False}),
+                "fp8, fused dual quant": (fp8, {"fuse_dual_quant": True, "fuse_dh_tokens": False}),
+                "fp8, fused dh tokens": (fp8, {"fuse_dual_quant": False, "fuse_dh_tokens": True}),
+                "fp8, both fused": (fp8, {"fuse_dual_quant": True, "fuse_dh_tokens": True})}  # fmt: skip
     torch.manual_seed(0)
     state = None
     for name, (cfg, tuning) in variants.items():
