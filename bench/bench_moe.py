@@ -8,10 +8,9 @@ grouped GEMMs, the whole MoE layer forward+backward, the padded-row fraction and
 Grouped GEMMs (TFLOPS = 2·(routed rows)·N·K / median time; our padded rows are not counted): ours (blockwise
 FP8, fp8/grouped.py, with routing-map padding to 16) vs `torch._grouped_mm` bf16 vs `torch._scaled_grouped_mm`
 with rowwise FP8 scales (cuBLAS/CUTLASS; forward and dgrad only). MoE layer: router + dispatch + experts +
-combine + shared expert, forward+backward, FP8 (padding on/off; with `fp8.expert_wgrad=bf16`; with the fused and the
-separate quantizations of the routed tokens and dy) vs bf16, weights cached as within one optimizer step of gradient
-accumulation. Quantizers: the routed tokens' row and token-dim quantizations, two kernels against one
-(`quantize_gathered_dual` at several chunk shapes, bits compared). Routing comes from the real router with random
+combine + shared expert, forward+backward, FP8 (padding on/off; with `fp8.expert_wgrad=bf16`) vs bf16, weights
+cached as within one optimizer step of gradient accumulation. Quantizers: the experts' row and token-dim
+quantizations, median ms. Routing comes from the real router with random
 weights and a mild imbalance. Markdown tables are printed last.
 
 `--dispatch`: the dispatch of one layer without expert parallelism, on its own: `plan_dispatch` (routing-map
@@ -161,13 +160,10 @@ def gemm_rows(tokens: int, experts: int) -> list[dict]:
     return results
 
 
-DUAL_CHUNKS = ((32, 4), (16, 1), (16, 2), (32, 2), (64, 4), (32, 8), (128, 8))  # quantize_gathered_dual (F, warps)
-
-
 def quant_rows(tokens: int, experts: int) -> list[dict]:
-    """The routed tokens' two quantizations (gathered x [T, H] bf16 → rows along K and the block-aligned token-dim
-    operand): the row and token-dim kernels one after the other against `quantize_gathered_dual` (one read) at
-    several chunk shapes, same bits checked. GB/s count one gathered read of x and both codes written."""
+    """The experts' quantizers: the routed tokens' two quantizations (gathered x [T, H] bf16 → rows along K and the
+    block-aligned token-dim operand) and the other two token-dim operands (dh, the SwiGLU output from FP8 h). GB/s
+    of the pair count one gathered read of x and both codes written."""
     idx, _ = routing(tokens, experts)
     plan = plan_dispatch(idx, experts, 16)
     rows, src = plan.rows, plan.row_src
@@ -188,36 +184,6 @@ def quant_rows(tokens: int, experts: int) -> list[dict]:
     out += [{"tokens": tokens, "kernel": f"tokens (dh [R, {2 * INTER}])", "ms": dh_ms},
             {"tokens": tokens, "kernel": "tokens (SwiGLU output from FP8 h)", "ms": a_ms},
             {"tokens": tokens, "kernel": "tokens: gathered x + dh + SwiGLU output", "ms": tokens_ms + dh_ms + a_ms}]
-    q, s_ = G.quantize_rows_gathered(x, src, rows)
-    qt, st = G.quantize_tokens_grouped(x, rows, src)
-    nb = int(rows.block_offsets()[-1])
-    for bf, warps in DUAL_CHUNKS:
-        with G.GROUPED_TUNING.override(dual_block_f=bf, dual_warps=warps):
-            q2, s2, qt2, st2 = G.quantize_gathered_dual(x, rows, src)
-            same = (torch.equal(q2[:routed].view(torch.uint8), q[:routed].view(torch.uint8))
-                    and torch.equal(s2[:routed], s_[:routed])
-                    and torch.equal(qt2[:, :nb * 128].view(torch.uint8), qt[:, :nb * 128].view(torch.uint8))
-                    and torch.equal(st2[:, :nb], st[:, :nb]))  # fmt: skip
-            ms = bench(lambda: G.quantize_gathered_dual(x, rows, src))
-        out.append({"tokens": tokens, "kernel": f"dual, {bf} features x {warps} warps", "ms": ms,
-                    "gbs": gbytes / ms * 1e3, "same_bits": same})  # fmt: skip
-    # the SwiGLU backward and dh's token-dim quantization: two kernels and a bf16 dh, or one kernel
-    da = torch.randn(rows.num_rows, INTER, device="cuda", dtype=torch.bfloat16)
-    da[src < 0] = 0
-    dh, dh_q, dh_s, _ = G.swiglu_backward(h_q, h_s, da, row_gate, rows)
-    dht_q, dht_s = G.quantize_tokens_grouped(dh, rows)
-    pair_ms = bench(lambda: G.quantize_tokens_grouped(G.swiglu_backward(h_q, h_s, da, row_gate, rows)[0], rows))
-    out.append({"tokens": tokens, "kernel": "SwiGLU backward + tokens (dh)", "ms": pair_ms})
-    for bf, warps in DUAL_CHUNKS:
-        with G.GROUPED_TUNING.override(dual_block_f=bf, dual_warps=warps):
-            f_q, f_s, ft_q, ft_s, _ = G.swiglu_backward_tokens(h_q, h_s, da, row_gate, rows)
-            same = (torch.equal(f_q[:routed].view(torch.uint8), dh_q[:routed].view(torch.uint8))
-                    and torch.equal(f_s[:routed], dh_s[:routed])
-                    and torch.equal(ft_q[:, :nb * 128].view(torch.uint8), dht_q[:, :nb * 128].view(torch.uint8))
-                    and torch.equal(ft_s[:, :nb], dht_s[:, :nb]))  # fmt: skip
-            ms = bench(lambda: G.swiglu_backward_tokens(h_q, h_s, da, row_gate, rows))
-        out.append({"tokens": tokens, "kernel": f"SwiGLU backward with dh tokens, {bf} x {warps}", "ms": ms,
-                    "same_bits": same})  # fmt: skip
     return out
 
 
@@ -255,11 +221,7 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
     fp8 = base.replace(precision="fp8")
     variants = {"bf16": (base, {}), "fp8, padding on": (fp8, {}),
                 "fp8, padding off": (base.replace(precision="fp8", pad_for_fp8=False), {}),
-                "fp8, bf16 wgrad": (base.replace(precision="fp8", fp8_expert_wgrad="bf16"), {}),
-                "fp8, separate quant": (fp8, {"fuse_dual_quant": False, "fuse_dh_tokens": False}),
-                "fp8, fused dual quant": (fp8, {"fuse_dual_quant": True, "fuse_dh_tokens": False}),
-                "fp8, fused dh tokens": (fp8, {"fuse_dual_quant": False, "fuse_dh_tokens": True}),
-                "fp8, both fused": (fp8, {"fuse_dual_quant": True, "fuse_dh_tokens": True})}  # fmt: skip
+                "fp8, bf16 wgrad": (base.replace(precision="fp8", fp8_expert_wgrad="bf16"), {})}  # fmt: skip
     torch.manual_seed(0)
     state = None
     for name, (cfg, tuning) in variants.items():
@@ -506,12 +468,12 @@ def main() -> None:
         for r in report["gemm"]:
             print(f"| {r['tokens']} | {r['gemm']} | {r['n']}×{r['k']} | {r['ours']:.0f} | {r['bf16']:.0f} | "
                   f"{r['scaled']:.0f} | {r['ours'] / r['bf16']:.2f} |")
-    print(f"\n### The routed tokens' two quantizations, {args.experts} experts, x [tokens, {H}] bf16 gathered\n")
-    print("| tokens | kernel | ms | GB/s (one read, both writes) | same bits |")
-    print("|---|---|---|---|---|")
+    print(f"\n### The experts' quantizers, {args.experts} experts, x [tokens, {H}] bf16 gathered\n")
+    print("| tokens | kernel | ms | GB/s (one read, both writes) |")
+    print("|---|---|---|---|")
     for r in report["quant"]:
         gbs = f"{r['gbs']:.0f}" if "gbs" in r else ""
-        print(f"| {r['tokens']} | {r['kernel']} | {r['ms']:.3f} | {gbs} | {r.get('same_bits', '')} |")
+        print(f"| {r['tokens']} | {r['kernel']} | {r['ms']:.3f} | {gbs} |")
     if "layer" not in report:
         return
     print(f"\n### MoE layer forward+backward, {args.experts} experts (router, dispatch, experts, combine, shared)\n")

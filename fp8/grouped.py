@@ -74,11 +74,9 @@ __all__ = [
     "quantize_rows_gathered",
     "quantize_tokens_grouped",
     "quantize_tokens_grouped_ref",
-    "quantize_gathered_dual",
     "token_columns",
     "swiglu_quantize",
     "swiglu_backward",
-    "swiglu_backward_tokens",
     "fp8_grouped_experts",
     "quantize_expert_weights",
     "swiglu_quantize_tokens",
@@ -455,65 +453,6 @@ if HAS_TRITON:
         tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
 
     @triton.jit
-    def _quant_dual_grouped_kernel(
-        x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr, grp_ptr,
-        K, G,
-        stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk, stride_qtk, stride_qtm, stride_stk,
-        stride_stb,
-        BLOCK_F: tl.constexpr, HAS_IDX: tl.constexpr, ALIGNED: tl.constexpr, POW2: tl.constexpr,
-    ):  # fmt: skip
-        """Both quantizations of one [128 tokens, 128 features] box of a segment's token block b and K block kb,
-        from one read of x: 1x128 along tokens (`_quant_tokens_grouped_kernel`'s codes and scales, written
-        transposed into the block's columns of qt) and 1x128 along K (`_quant_rows_kernel`'s codes and scales at
-        the rows' own positions in q). Same maths, so the same bits as the two kernels.
-
-        Two passes over BLOCK_F-wide chunks keep few registers live: the first quantizes each chunk along tokens
-        and gathers the rows' amax, the second re-reads the chunks (from cache) and quantizes them along K."""
-        pid_b = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        if pid_b >= tl.load(blk_ptr + G):
-            return
-        g = tl.load(grp_ptr + pid_b)  # GroupedRows.block_groups
-        row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
-        left = tl.load(offs_ptr + g + 1) - row0  # rows of the segment from row0 on
-        if ALIGNED:
-            row0 = tl.multiple_of(row0, 16)
-            left = tl.multiple_of(left, 16)
-        rows = row0 + tl.arange(0, 128)
-        in_seg = tl.arange(0, 128) < left
-        if HAS_IDX:
-            src = tl.load(idx_ptr + rows, mask=in_seg, other=-1)
-            ok = src >= 0
-        else:
-            src = rows
-            ok = in_seg
-        cols = pid_b * 128 + tl.arange(0, 128)  # the block's columns of qt: rows past the segment's end are zeros
-        row_amax = tl.zeros((128,), dtype=tl.float32)
-        row_nans = tl.zeros((128,), dtype=tl.int32)
-        for f in tl.range(0, 128, BLOCK_F):  # a runtime loop: the second pass must re-load, not keep, the chunks
-            offs_k = pid_k * 128 + f + tl.arange(0, BLOCK_F)
-            k_ok = offs_k < K
-            v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            nans = (v != v).to(tl.int32)
-            scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum(nans, axis=0), POW2)
-            qt = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
-            tl.store(qt_ptr + offs_k[None, :] * stride_qtk + cols[:, None] * stride_qtm, qt, mask=k_ok[None, :])
-            tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
-            row_amax = tl.maximum(row_amax, tl.max(tl.abs(v), axis=1))
-            row_nans += tl.sum(nans, axis=1)
-        row_scale = scale_from_amax_tl(row_amax, row_nans, POW2)
-        for f in tl.range(0, 128, BLOCK_F):
-            offs_k = pid_k * 128 + f + tl.arange(0, BLOCK_F)
-            k_ok = offs_k < K
-            v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                        mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            q = tl.math.div_rn(v, row_scale[:, None]).to(tl.float8e4nv)
-            tl.store(q_ptr + rows[:, None] * stride_qm + offs_k[None, :] * stride_qk, q,
-                     mask=in_seg[:, None] & k_ok[None, :])  # fmt: skip
-        tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, row_scale, mask=in_seg)
-
-    @triton.jit
     def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
         """Quantize a [rows, 128] fp32 block 1x128 along its columns; store the codes and the row scales."""
         scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
@@ -594,93 +533,6 @@ if HAS_TRITON:
             _quant_block(du.to(tl.float32), dqp + (INTER + cols)[None, :] * stride_dqk, up_scales, mask, m_ok, POW2)
         tl.store(dgate_ptr + rows, d_gate, mask=m_ok)
 
-    @triton.jit
-    def _swiglu_dh(hq_ptr, da_ptr, rows, offs, in_seg, sg, su, w, INTER, stride_hqm, stride_hqk, stride_dam,
-                   stride_dak):  # fmt: skip
-        """SwiGLU backward of one [rows, features] chunk: (dg, du) rounded to da's dtype (dh's) and back to fp32,
-        and the chunk's Σ da·silu(h_g)·h_u per row; the same expressions as `_swiglu_bwd_kernel`."""
-        mask = in_seg[:, None]
-        hqp = hq_ptr + rows[:, None] * stride_hqm
-        hg = tl.load(hqp + offs[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * sg[:, None]
-        hu = tl.load(hqp + (INTER + offs)[None, :] * stride_hqk, mask=mask, other=0.0).to(tl.float32) * su[:, None]
-        da = tl.load(da_ptr + rows[:, None] * stride_dam + offs[None, :] * stride_dak, mask=mask, other=0.0)
-        da = da.to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-hg))
-        silu = hg * s
-        d_gate = tl.sum(da * silu * hu, axis=1)
-        da0 = da * w[:, None]
-        dg = (da0 * hu * (s + silu * (1.0 - s))).to(da_ptr.dtype.element_ty).to(tl.float32)
-        du = (da0 * silu).to(da_ptr.dtype.element_ty).to(tl.float32)
-        return dg, du, d_gate
-
-    @triton.jit
-    def _swiglu_bwd_tokens_kernel(
-        hq_ptr, hs_ptr, da_ptr, gate_ptr, dhq_ptr, dhs_ptr, dht_ptr, dhts_ptr, dpart_ptr, offs_ptr, blk_ptr,
-        grp_ptr, INTER, G,
-        stride_hqm, stride_hqk, stride_hsm, stride_hsk, stride_dam, stride_dak, stride_dqm, stride_dqk,
-        stride_dsm, stride_dsk, stride_dtk, stride_dtm, stride_dtsk, stride_dtsb, stride_dpm, stride_dpk,
-        BLOCK_F: tl.constexpr, ALIGNED: tl.constexpr, POW2: tl.constexpr,
-    ):  # fmt: skip
-        """SwiGLU backward of one segment's 128-token block b and feature block kb (of the gate and the up half)
-        with both quantizations of dh and no dh written: dh_q / dh_s 1x128 along features at the rows' positions
-        (for dgrad) and dhᵀ 1x128 along tokens in the block's columns of dht [2I, 128·max_blocks] (for wgrad), the
-        same bits as `_swiglu_bwd_kernel` followed by the token-dim quantizer. dpart[rows, kb] gets the feature
-        block's share of d_gate. Two passes over BLOCK_F-wide chunks, as `_quant_dual_grouped_kernel`."""
-        pid_b = tl.program_id(0)
-        kb = tl.program_id(1)
-        if pid_b >= tl.load(blk_ptr + G):
-            return
-        g = tl.load(grp_ptr + pid_b)  # GroupedRows.block_groups
-        row0 = tl.load(offs_ptr + g) + (pid_b - tl.load(blk_ptr + g)) * 128
-        left = tl.load(offs_ptr + g + 1) - row0
-        if ALIGNED:
-            row0 = tl.multiple_of(row0, 16)
-            left = tl.multiple_of(left, 16)
-        rows = row0 + tl.arange(0, 128)
-        in_seg = tl.arange(0, 128) < left
-        w = tl.load(gate_ptr + rows, mask=in_seg, other=0.0)
-        sg = tl.load(hs_ptr + rows * stride_hsm + kb * stride_hsk, mask=in_seg, other=0.0)
-        su = tl.load(hs_ptr + rows * stride_hsm + (INTER // 128 + kb) * stride_hsk, mask=in_seg, other=0.0)
-        cols = pid_b * 128 + tl.arange(0, 128)  # the block's columns of dht: rows past the segment's end are zeros
-        g_amax = tl.zeros((128,), dtype=tl.float32)
-        u_amax = tl.zeros((128,), dtype=tl.float32)
-        g_nans = tl.zeros((128,), dtype=tl.int32)
-        u_nans = tl.zeros((128,), dtype=tl.int32)
-        d_gate = tl.zeros((128,), dtype=tl.float32)
-        for f in tl.range(0, 128, BLOCK_F):  # pass 1: dhᵀ along tokens, the rows' amax, d_gate
-            offs = kb * 128 + f + tl.arange(0, BLOCK_F)
-            dg, du, part = _swiglu_dh(hq_ptr, da_ptr, rows, offs, in_seg, sg, su, w, INTER, stride_hqm, stride_hqk,
-                                      stride_dam, stride_dak)  # fmt: skip
-            d_gate += part
-            g_nan = (dg != dg).to(tl.int32)
-            u_nan = (du != du).to(tl.int32)
-            sgt = scale_from_amax_tl(tl.max(tl.abs(dg), axis=0), tl.sum(g_nan, axis=0), POW2)
-            sut = scale_from_amax_tl(tl.max(tl.abs(du), axis=0), tl.sum(u_nan, axis=0), POW2)
-            tl.store(dht_ptr + offs[None, :] * stride_dtk + cols[:, None] * stride_dtm,
-                     tl.math.div_rn(dg, sgt[None, :]).to(tl.float8e4nv))  # fmt: skip
-            tl.store(dht_ptr + (INTER + offs)[None, :] * stride_dtk + cols[:, None] * stride_dtm,
-                     tl.math.div_rn(du, sut[None, :]).to(tl.float8e4nv))  # fmt: skip
-            tl.store(dhts_ptr + offs * stride_dtsk + pid_b * stride_dtsb, sgt)
-            tl.store(dhts_ptr + (INTER + offs) * stride_dtsk + pid_b * stride_dtsb, sut)
-            g_amax = tl.maximum(g_amax, tl.max(tl.abs(dg), axis=1))
-            u_amax = tl.maximum(u_amax, tl.max(tl.abs(du), axis=1))
-            g_nans += tl.sum(g_nan, axis=1)
-            u_nans += tl.sum(u_nan, axis=1)
-        g_scale = scale_from_amax_tl(g_amax, g_nans, POW2)
-        u_scale = scale_from_amax_tl(u_amax, u_nans, POW2)
-        for f in tl.range(0, 128, BLOCK_F):  # pass 2: dh along features, recomputed from the same loads
-            offs = kb * 128 + f + tl.arange(0, BLOCK_F)
-            dg, du, _ = _swiglu_dh(hq_ptr, da_ptr, rows, offs, in_seg, sg, su, w, INTER, stride_hqm, stride_hqk,
-                                   stride_dam, stride_dak)  # fmt: skip
-            dqp = dhq_ptr + rows[:, None] * stride_dqm
-            tl.store(dqp + offs[None, :] * stride_dqk, tl.math.div_rn(dg, g_scale[:, None]).to(tl.float8e4nv),
-                     mask=in_seg[:, None])  # fmt: skip
-            tl.store(dqp + (INTER + offs)[None, :] * stride_dqk,
-                     tl.math.div_rn(du, u_scale[:, None]).to(tl.float8e4nv), mask=in_seg[:, None])  # fmt: skip
-        tl.store(dhs_ptr + rows * stride_dsm + kb * stride_dsk, g_scale, mask=in_seg)
-        tl.store(dhs_ptr + rows * stride_dsm + (INTER // 128 + kb) * stride_dsk, u_scale, mask=in_seg)
-        tl.store(dpart_ptr + rows * stride_dpm + kb * stride_dpk, d_gate, mask=in_seg)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Launch configuration (the default beside the kernels; a benchmark's sweep or a test overrides it in a block)
@@ -713,11 +565,8 @@ class GroupedConfig:
     2 programs per SM at every expert count and token count swept: an expert's token loop is a few blocks long,
     and two resident programs of small tiles overlap one tile's epilogue with the other's loads. 8 rows per
     SwiGLU program. The token-dim quantizers: 16 features of a 128-token block per one-warp program (the many
-    small programs hide the gathered loads' latency). `fuse_dual_quant` replaces the routed tokens' (and dy's)
-    row kernel + token-dim kernel by `quantize_gathered_dual` (one read of the gathered rows, two passes over
-    `dual_block_f`-wide chunks of a 128x128 box, `dual_warps` warps); the same bits either way. `fuse_dh_tokens`
-    replaces the SwiGLU backward + dh's token-dim quantizer by `swiglu_backward_tokens` (same chunks and warps; the
-    same codes and scales, d_gate summed in another order)."""
+    small programs hide the gathered loads' latency; fusing the token-dim quantizers into the row quantizer or the
+    SwiGLU backward measured 1.75-2.4x slower, docs/kernel_tuning.md)."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
@@ -725,10 +574,6 @@ class GroupedConfig:
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
     tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
     tokens_warps: int = 1  # warps per program of the token-dim quantizers
-    fuse_dual_quant: bool = False  # x's and dy's two quantizations from one read each (quantize_gathered_dual)
-    fuse_dh_tokens: bool = False  # dhᵀ quantized inside the SwiGLU backward, no dh written (swiglu_backward_tokens)
-    dual_block_f: int = 32  # features per chunk of quantize_gathered_dual's two passes; divides 128
-    dual_warps: int = 4  # warps per program of quantize_gathered_dual
 
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
@@ -858,40 +703,6 @@ def quantize_tokens_grouped(
     return _launch_tokens_grouped(x, None, row_idx, None, rows, k, 0, pow2_scales)
 
 
-def quantize_gathered_dual(
-    x: torch.Tensor, rows: GroupedRows, row_idx: torch.Tensor | None = None, pow2_scales: bool = False,
-    *, backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`quantize_rows_gathered(x, row_idx, rows)` and `quantize_tokens_grouped(x, rows, row_idx)` from one read of
-    x: (E4M3 [M, K], scale [M, ceil(K/128)] along K; E4M3 [K, 128·max_blocks], scale [K, max_blocks] along tokens,
-    block-aligned). The same bits as the two calls; rows from rows.total on are left unwritten (zero in the
-    reference). x [M, K] float (or [T, K] gathered through row_idx int32 [M], zero rows where row_idx < 0)."""
-    if row_idx is None:
-        _check_rows(rows, x.shape[0], "x")
-    if not use_triton(x, backend):
-        q, s = quantize_1x128_ref(gather_rows_ref(x, row_idx), pow2_scales)
-        return (q, s, *quantize_tokens_grouped_ref(x, rows, row_idx, pow2_scales))
-    m, k = rows.num_rows, x.shape[1]
-    nb = rows.max_blocks()
-    q = torch.empty(m, k, device=x.device, dtype=E4M3)
-    s = torch.empty(cdiv(k, BLOCK), m, device=x.device, dtype=torch.float32).t()
-    qt = torch.empty(k, nb * BLOCK, device=x.device, dtype=E4M3)
-    st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
-    if m and k:
-        tuning = GROUPED_TUNING.current()
-        bf = tuning.dual_block_f
-        if BLOCK % bf:
-            raise ValueError(f"GroupedConfig.dual_block_f must divide {BLOCK}, got {bf}")
-        _quant_dual_grouped_kernel[(nb, cdiv(k, BLOCK))](
-            x, row_idx if row_idx is not None else s, q, s, qt, st, rows.offsets, rows.block_offsets(),
-            rows.block_groups(), k, rows.num_groups, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
-            s.stride(0), s.stride(1), qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
-            BLOCK_F=bf, HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0, POW2=pow2_scales,
-            num_warps=tuning.dual_warps,
-        )  # fmt: skip
-    return q, s, qt, st
-
-
 def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prologue: int, pow2: bool):
     nb = rows.max_blocks()
     qt = torch.empty(k, nb * BLOCK, device=x.device, dtype=E4M3)
@@ -995,44 +806,6 @@ def swiglu_backward(
     return dh, dh_q, dh_s, d_gate
 
 
-def swiglu_backward_tokens(
-    h_q: torch.Tensor, h_s: torch.Tensor, da: torch.Tensor, row_gate: torch.Tensor, rows: GroupedRows,
-    pow2_scales: bool = False, *, backend: str | None = None,
-):  # fmt: skip
-    """`swiglu_backward` with the token-dim quantization of dh fused in and no dh written: (dh_q, dh_s along
-    features as `swiglu_backward`'s; dhᵀ E4M3 [2I, 128·max_blocks] and scale [2I, max_blocks] as
-    `quantize_tokens_grouped(dh, rows)`'s; d_gate fp32 [M]). dh is rounded to da's dtype before both
-    quantizations, as `swiglu_backward` rounds it. The codes and scales are the same bits as the two unfused calls;
-    d_gate sums each row's products in another order (fp32; the same maths)."""
-    m, two_i = h_q.shape
-    inter = two_i // 2
-    if not use_triton(h_q, backend):
-        dh, dh_q, dh_s, d_gate = swiglu_backward_ref(h_q, h_s, da, row_gate, pow2_scales)
-        return (dh_q, dh_s, *quantize_tokens_grouped_ref(dh, rows, None, pow2_scales), d_gate)
-    _check_rows(rows, m, "h_q")
-    nb = rows.max_blocks()
-    kb = inter // BLOCK
-    dh_q = torch.empty(m, two_i, device=da.device, dtype=E4M3)
-    dh_s = torch.empty(two_i // BLOCK, m, device=da.device, dtype=torch.float32).t()
-    dht_q = torch.empty(two_i, nb * BLOCK, device=da.device, dtype=E4M3)
-    dht_s = torch.empty(nb, two_i, device=da.device, dtype=torch.float32).t()
-    d_part = torch.zeros(m, kb, device=da.device, dtype=torch.float32)  # rows past the segments: d_gate 0
-    tuning = GROUPED_TUNING.current()
-    if BLOCK % tuning.dual_block_f:
-        raise ValueError(f"GroupedConfig.dual_block_f must divide {BLOCK}, got {tuning.dual_block_f}")
-    if m:
-        _swiglu_bwd_tokens_kernel[(nb, kb)](
-            h_q, h_s, da, row_gate, dh_q, dh_s, dht_q, dht_s, d_part, rows.offsets, rows.block_offsets(),
-            rows.block_groups(), inter, rows.num_groups,
-            h_q.stride(0), h_q.stride(1), h_s.stride(0), h_s.stride(1), da.stride(0), da.stride(1),
-            dh_q.stride(0), dh_q.stride(1), dh_s.stride(0), dh_s.stride(1), dht_q.stride(0), dht_q.stride(1),
-            dht_s.stride(0), dht_s.stride(1), d_part.stride(0), d_part.stride(1),
-            BLOCK_F=tuning.dual_block_f, ALIGNED=rows.alignment % 16 == 0, POW2=pow2_scales,
-            num_warps=tuning.dual_warps,
-        )  # fmt: skip
-    return dh_q, dh_s, dht_q, dht_s, d_part.sum(1)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # FP8 grouped experts (SwiGLU MLPs) with gathered input, gated output and the combine
 # ----------------------------------------------------------------------------------------------------------
@@ -1051,17 +824,13 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         row_gate = torch.zeros(m, device=x.device, dtype=torch.float32)
         row_gate.scatter_(0, pos.reshape(-1).long(), topk_weight.reshape(-1).float())
         need_wgrad = need_grad and (w_gate_up.requires_grad or w_down.requires_grad)
-        if need_wgrad and wgrad == "fp8" and GROUPED_TUNING.current().fuse_dual_quant:
-            x_q, x_s, xt_q, xt_s = quantize_gathered_dual(x, rows, row_src, pow2)  # xᵀ from the same read
-            wgrad_saved = (xt_q, xt_s)
+        x_q, x_s = quantize_rows_gathered(x, row_src, rows, pow2)
+        if not need_wgrad:
+            wgrad_saved = ()
+        elif wgrad == "bf16":
+            wgrad_saved = (x,)
         else:
-            x_q, x_s = quantize_rows_gathered(x, row_src, rows, pow2)
-            if not need_wgrad:
-                wgrad_saved = ()
-            elif wgrad == "bf16":
-                wgrad_saved = (x,)
-            else:
-                wgrad_saved = quantize_tokens_grouped(x, rows, row_src, pow2)
+            wgrad_saved = quantize_tokens_grouped(x, rows, row_src, pow2)
         h = grouped_gemm(x_q, x_s, gu_q, gu_s, rows, out_dtype=x.dtype)
         del x_q, x_s
         a_q, a_s, h_q, h_s = swiglu_quantize(h, row_gate, rows, save_h=need_grad, pow2_scales=pow2)
@@ -1080,22 +849,11 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         x_dtype, w_dtype, gu_dtype, d_dtype = ctx.dtypes
         dout = dout.contiguous()
         # dy_perm[r] = dout[row_src[r]]: the combine's adjoint, fused into both quantizations of dy
-        fp8_wgrad = ctx.need_wgrad and ctx.wgrad == "fp8"
-        tuning = GROUPED_TUNING.current()
-        if fp8_wgrad and tuning.fuse_dual_quant:  # dyᵀ from the same read of dout
-            dy_q, dy_s, dyt_q, dyt_s = quantize_gathered_dual(dout, rows, row_src, pow2)
-        else:
-            dy_q, dy_s = quantize_rows_gathered(dout, row_src, rows, pow2)
-            dyt_q = dyt_s = None
+        dy_q, dy_s = quantize_rows_gathered(dout, row_src, rows, pow2)
         dwt_q, dwt_s = fp8_transpose_128x128(d_q, d_s)  # [E, I, H], on demand, freed below
         da = grouped_gemm(dy_q, dy_s, dwt_q, dwt_s, rows, out_dtype=x_dtype)
         del dy_q, dy_s, dwt_q, dwt_s
-        if fp8_wgrad and tuning.fuse_dh_tokens:  # dhᵀ for the gate-up wgrad without a round trip of dh
-            dh_q, dh_s, dht_q, dht_s, d_gate = swiglu_backward_tokens(h_q, h_s, da, row_gate, rows, pow2)
-            dh = None
-        else:
-            dh, dh_q, dh_s, d_gate = swiglu_backward(h_q, h_s, da, row_gate, rows, pow2)
-            dht_q = dht_s = None
+        dh, dh_q, dh_s, d_gate = swiglu_backward(h_q, h_s, da, row_gate, rows, pow2)
         del da
         dw_gu = dw_d = None
         if ctx.need_wgrad and ctx.wgrad == "bf16":
@@ -1105,15 +863,13 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
             dw_d = grouped_wgrad_bf16(gather_rows(dout, row_src), a, rows, d_dtype)  # pad rows read dy = 0
             del a
             dw_gu = grouped_wgrad_bf16(dh, gather_rows(x, row_src), rows, gu_dtype)
-        elif fp8_wgrad:
+        elif ctx.need_wgrad:
             xt_q, xt_s = wgrad_saved
-            if dyt_q is None:
-                dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
+            dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
             at_q, at_s = swiglu_quantize_tokens(h_q, h_s, row_gate, rows, pow2)
             dw_d = grouped_gemm_wgrad(dyt_q, dyt_s, at_q, at_s, rows, out_dtype=d_dtype)
             del dyt_q, dyt_s, at_q, at_s
-            if dht_q is None:
-                dht_q, dht_s = quantize_tokens_grouped(dh, rows, None, pow2)
+            dht_q, dht_s = quantize_tokens_grouped(dh, rows, None, pow2)
             dw_gu = grouped_gemm_wgrad(dht_q, dht_s, xt_q, xt_s, rows, out_dtype=gu_dtype)
             del dht_q, dht_s
         del dh

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from fp8.grouped import (
-    GROUPED_TUNING,
     fp8_grouped_experts,
     grouped_gemm,
     grouped_gemm_wgrad,
@@ -120,27 +119,6 @@ def test_default_is_the_blockwise_recipe_bit_for_bit():
                                  *quantize_tokens_grouped(x, rows, plan.row_src), rows)  # fmt: skip
     for got in (run(c, None), run(c, "fp8")):
         assert torch.equal(got[3], want_gu) and torch.equal(got[4], want_d)
-
-
-def test_fused_quantizations_change_no_bit_but_the_gates_summation_order(monkeypatch, request):
-    """`GroupedConfig.fuse_dual_quant` (xᵀ and dyᵀ from the same reads as the row quantizations) and
-    `fuse_dh_tokens` (dhᵀ inside the SwiGLU backward): the output, dx and both weight gradients keep their bits;
-    the gate gradients, summed in another order with fuse_dh_tokens, agree to fp32 rounding. In Triton's
-    interpreter (the reference path has nothing to fuse)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs Triton's interpreter on CPU")
-    request.getfixturevalue("triton_interpreter")
-    monkeypatch.setenv("LING_FP8_BACKEND", "triton")
-    c = case(4, t=40, e=8, h=128)
-    with GROUPED_TUNING.override(fuse_dual_quant=False, fuse_dh_tokens=False):
-        separate = run(c, "fp8")
-    both = {"fuse_dual_quant": True, "fuse_dh_tokens": True}
-    for flags in ({"fuse_dual_quant": True}, {"fuse_dh_tokens": True}, both):
-        with GROUPED_TUNING.override(**{"fuse_dual_quant": False, "fuse_dh_tokens": False, **flags}):
-            fused = run(c, "fp8")
-        for i in (0, 1, 3, 4):
-            assert torch.equal(separate[i], fused[i]), (flags, i)
-        assert rel(fused[2], separate[2]) < 1e-6, flags
 
 
 def test_bf16_wgrad_is_closer_to_the_exact_gradient_than_the_fp8_wgrad():

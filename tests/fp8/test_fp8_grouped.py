@@ -14,13 +14,11 @@ from fp8.grouped import (
     grouped_gemm,
     grouped_gemm_wgrad,
     quantize_expert_weights,
-    quantize_gathered_dual,
     quantize_rows_gathered,
     quantize_tokens_grouped,
     quantize_tokens_grouped_ref,
     swiglu_backward,
     swiglu_backward_ref,
-    swiglu_backward_tokens,
     swiglu_quantize,
     swiglu_quantize_ref,
     swiglu_quantize_tokens,
@@ -134,13 +132,6 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
             qt, st = quantize_tokens_grouped(tokens, rows, row_src, backend="triton")
         assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128]), chunk  # every used block, zero tails included
         assert torch.equal(st[:, :nb].cpu(), st_ref[:, :nb]), chunk
-    # both quantizations from one read: the same bits as the two kernels, at every chunk width
-    for chunk in ({}, {"dual_block_f": 128, "dual_warps": 8}, {"dual_block_f": 16, "dual_warps": 1}):
-        with GROUPED_TUNING.override(**chunk):
-            q2, s2, qt2, st2 = quantize_gathered_dual(tokens, rows, row_src, backend="triton")
-        assert bits_equal(used(q2, rows), used(q_ref, rows)) and torch.equal(used(s2, rows), used(s_ref, rows)), chunk
-        assert bits_equal(qt2[:, :nb * 128], qt_ref[:, :nb * 128]), chunk
-        assert torch.equal(st2[:, :nb].cpu(), st_ref[:, :nb]), chunk
     # the gather itself, and its adjoint the ordered sum, exactly
     gathered = gather_rows(tokens, row_src, backend="triton")
     assert torch.equal(gathered.cpu(), gather_rows(tokens.cpu(), row_src.cpu(), backend="torch"))
@@ -160,28 +151,6 @@ def test_block_groups_name_the_owner_of_every_block():
         assert got.dtype == torch.int32 and got.shape == (rows.max_blocks(),)
         assert got[:len(want)].tolist() == want
         assert set(got[len(want):].tolist()) <= {len(LENGTHS)}
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("pow2", [False, True])
-def test_dual_quantizer_keeps_nan_inf_and_k_tails_like_the_reference(device, pow2, request):
-    """A NaN or an Inf poisons exactly its row block and its token block (their scales), K tails form partial blocks;
-    ungathered input (row_idx None) reads rows in place."""
-    setup_device(device, request)
-    torch.manual_seed(3)
-    rows, segs = layout([5, 0, 140, 37], 16, device)
-    x = data_rows(segs, rows.num_rows, 200, device, 4.0).to(torch.bfloat16)
-    lo = segs[2][0]
-    x[lo + 3, 7] = float("nan")
-    x[lo + 130, 150] = float("inf")
-    q, s, qt, st = quantize_gathered_dual(x, rows, None, pow2, backend="triton")
-    q_ref, s_ref = quantize_1x128(x.cpu(), pow2, backend="torch")
-    qt_ref, st_ref = quantize_tokens_grouped_ref(x.cpu(), _cpu(rows), None, pow2)
-    nb = int(rows.block_offsets()[-1])
-    assert bits_equal(used(q, rows), used(q_ref, rows)) and bits_equal(used(s, rows), used(s_ref, rows))
-    assert bits_equal(qt[:, :nb * 128], qt_ref[:, :nb * 128]) and bits_equal(st[:, :nb], st_ref[:, :nb])
-    assert torch.isnan(s[lo + 3, 0]).item() and not torch.isnan(s[lo + 3, 1]).item()
-    assert torch.isinf(st[150, int(rows.block_offsets()[2]) + 1]).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -214,20 +183,6 @@ def test_fused_swiglu_quantize_and_backward_match_the_reference(device, request)
     at_q, at_s = swiglu_quantize_tokens(got[2], got[3], gate, rows, backend="triton")
     rt_q, rt_s = swiglu_quantize_tokens(got[2].cpu(), got[3].cpu(), gate.cpu(), _cpu(rows), backend="torch")
     assert (used(at_q, rows, 1).view(torch.uint8) != used(rt_q, rows, 1).view(torch.uint8)).float().mean() < 1e-3
-    # the SwiGLU backward with dhᵀ quantized inside, no dh written: the unfused kernels' codes and scales bit for
-    # bit at every chunk shape (the same expressions); d_gate sums each row in another order (fp32)
-    dht_q, dht_s = quantize_tokens_grouped(dh, rows, backend="triton")
-    nb = int(rows.block_offsets()[-1])
-    for chunk in ({}, {"dual_block_f": 128, "dual_warps": 8}, {"dual_block_f": 16, "dual_warps": 1}):
-        with GROUPED_TUNING.override(**chunk):
-            f_q, f_s, ft_q, ft_s, f_gate = swiglu_backward_tokens(got[2], got[3], da, gate, rows, backend="triton")
-        assert bits_equal(used(f_q, rows), used(dh_q, rows)) and torch.equal(used(f_s, rows), used(dh_s, rows)), chunk
-        assert bits_equal(ft_q[:, :nb * 128], dht_q[:, :nb * 128]) and torch.equal(ft_s[:, :nb], dht_s[:, :nb]), chunk
-        assert rel(used(f_gate, rows), used(d_gate, rows)) < 1e-6, chunk
-    ref_f = swiglu_backward_tokens(got[2].cpu(), got[3].cpu(), da.cpu(), gate.cpu(), _cpu(rows), backend="torch")
-    # the reference is the composition (rows past the segments: garbage h, compared only where used)
-    assert bits_equal(used(ref_f[0], rows), used(r_dh_q, rows))
-    assert torch.equal(used(ref_f[4], rows), used(r_gate, rows))
 
 
 def test_bad_operands_name_the_problem():
