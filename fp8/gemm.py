@@ -23,12 +23,20 @@ import torch
 
 from fp8.format import BLOCK, E4M3
 from fp8.quant import dequantize_1x128, dequantize_128x128
-from kernels.backend import HAS_TRITON, cdiv, interpreting, num_sms, tl, tma_compatible, triton, use_triton
+from kernels.backend import (
+    HAS_TRITON,
+    cdiv,
+    interpreting,
+    num_sms,
+    set_descriptor_allocator,
+    tl,
+    tma_compatible,
+    triton,
+    use_triton,
+)
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from fp8.triton_blocks import b_scale_ptrs, promote, tma_k_loop
 
 __all__ = [
@@ -182,15 +190,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp8_gemm_tma_kernel(
-        a_desc, b_desc, c_desc, as_ptr, bs_ptr,
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
         M, N, K,
-        stride_asm, stride_ask, stride_bsn, stride_bsk,
+        stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
-        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid)."""
+        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid). The TMA
+        descriptors are built here, once per program (host-built ones cost every launch a Python pass and a
+        driver call per descriptor)."""
         BLOCK_K: tl.constexpr = 128
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         num_kb = tl.cdiv(K, BLOCK_K)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
@@ -237,13 +250,11 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfi
     if k == 0:
         return c.zero_()
     if cfg.tma and tma_compatible(a, b, c):
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
-        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
-        c_desc = TensorDescriptor.from_tensor(c, [cfg.block_m, cfg.block_n])
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
         progs = min(tiles, num_sms(a.device) * cfg.programs_per_sm) if cfg.persistent else tiles
+        set_descriptor_allocator()
         _fp8_gemm_tma_kernel[(progs,)](
-            a_desc, b_desc, c_desc, a_scale, b_scale, m, n, k,
+            a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0),
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             NUM_PROGRAMS=progs, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

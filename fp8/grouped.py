@@ -52,14 +52,12 @@ from fp8.quant import (
     quantize_1x128_triton,
     quantize_128x128,
 )
-from kernels.backend import HAS_TRITON, cdiv, num_sms, tl, tma_compatible, triton, use_triton
+from kernels.backend import HAS_TRITON, cdiv, num_sms, set_descriptor_allocator, tl, tma_compatible, triton, use_triton
 from kernels.fusable import Fusable
 from kernels.rows import gather_rows, gather_rows_ref, sum_rows
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl, tma_k_loop
 
 __all__ = [
@@ -293,7 +291,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_gemm_kernel(
-        a_ptr, a_desc, b_ptr, b_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
         M, N, K, G,
         stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
@@ -302,11 +300,15 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
         tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile. With
-        TMA the K loop is `tma_k_loop`; else pointer loads (any strides, K tails masked)."""
+        TMA the K loop is `tma_k_loop` over descriptors built here, once per program (b as its [G·N, K] rows, which
+        needs b contiguous); else pointer loads (any strides, K tails masked)."""
         BLOCK_K: tl.constexpr = 128
         num_n = tl.cdiv(N, BLOCK_N)
         num_tiles = tl.load(tiles_ptr + G) * num_n
         num_kb = tl.cdiv(K, BLOCK_K)
+        if TMA:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+            b_desc = tl.make_tensor_descriptor(b_ptr, [G * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
             g = _find_group(tiles_ptr, tile // num_n, G, STEPS)
             t0 = tl.load(tiles_ptr + g)
@@ -346,8 +348,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_wgrad_kernel(
-        a_ptr, a_desc, b_ptr, b_desc, c_ptr, c_desc, as_ptr, bs_ptr, blk_ptr,
-        N, K, G,
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, blk_ptr,
+        N, K, G, COLS,
         stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
         stride_asn, stride_asb, stride_bsk, stride_bsb,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
@@ -357,9 +359,15 @@ if HAS_TRITON:
         expert g's token blocks b0 = blocks[g] … blocks[g+1] − 1 of the block-aligned operands (whole 128-column
         boxes: TMA loads from one descriptor each, no masks). Persistent grid over (expert, n-tile, k-tile)
         work items, k-tiles fastest so that neighbouring programs share the a tile; an expert without tokens
-        gets an exact zero tile. With TMA the token loop is `tma_k_loop`."""
+        gets an exact zero tile. With TMA the token loop is `tma_k_loop` (a [N, COLS], b [K, COLS]) and with
+        TMA_STORE the tiles leave through the [G·N, K] view of out, over descriptors built here once per program."""
         num_n = tl.cdiv(N, BLOCK_N)
         num_k = tl.cdiv(K, BLOCK_K)
+        if TMA:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [N, COLS], [stride_an, 1], [BLOCK_N, 128])
+            b_desc = tl.make_tensor_descriptor(b_ptr, [K, COLS], [stride_bk, 1], [BLOCK_K, 128])
+        if TMA_STORE:
+            c_desc = tl.make_tensor_descriptor(c_ptr, [G * N, K], [stride_cn, 1], [BLOCK_N, BLOCK_K])
         per_g = num_n * num_k
         rn = tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -615,13 +623,11 @@ def grouped_gemm(
     max_tiles = rows.max_blocks(cfg.block_m) * cdiv(n, cfg.block_n)
     progs = max(1, min(max_tiles, num_sms(a.device) * cfg.programs_per_sm))
     tma = cfg.tma and tma_compatible(a, b)
-    a_desc = b_desc = a
     if tma:
-        b2 = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
-        b_desc = TensorDescriptor.from_tensor(b2.view(g * n, k), [cfg.block_n, BLOCK])
+        b = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
+        set_descriptor_allocator()
     _grouped_gemm_kernel[(progs,)](
-        a, a_desc, b, b_desc, c, a_scale, b_scale, rows.offsets, tiles, m, n, k, g,
+        a, b, c, a_scale, b_scale, rows.offsets, tiles, m, n, k, g,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
@@ -657,14 +663,10 @@ def grouped_gemm_wgrad(
     progs = max(1, min(tiles, num_sms(a.device) * cfg.programs_per_sm))
     tma = cfg.tma and tma_compatible(a, b)
     tma_store = tma and n % cfg.block_m == 0 and tma_compatible(c.view(g * n, k))
-    a_desc = b_desc = c_desc = a  # placeholders, never read without TMA
-    if tma:
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
-        b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
-    if tma_store:
-        c_desc = TensorDescriptor.from_tensor(c.view(g * n, k), [cfg.block_m, cfg.block_n])
+    if tma or tma_store:
+        set_descriptor_allocator()
     _grouped_wgrad_kernel[(progs,)](
-        a, a_desc, b, b_desc, c, c_desc, a_scale, b_scale, rows.block_offsets(), n, k, g,
+        a, b, c, a_scale, b_scale, rows.block_offsets(), n, k, g, cols,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,

@@ -21,7 +21,17 @@ except Exception:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "cdiv", "interpreting", "num_sms", "tl", "tma_compatible", "triton", "use_triton"]
+__all__ = [
+    "HAS_TRITON",
+    "cdiv",
+    "interpreting",
+    "num_sms",
+    "set_descriptor_allocator",
+    "tl",
+    "tma_compatible",
+    "triton",
+    "use_triton",
+]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -53,6 +63,21 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
     strides and base addresses."""
     return all(t.stride(-1) == 1 and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                for t in tensors)  # fmt: skip
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the TMA descriptors a kernel builds on the device (`tl.make_tensor_descriptor`): a few
+    hundred bytes per program, from PyTorch's caching allocator on the current device and stream."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def set_descriptor_allocator() -> None:
+    """Give Triton the scratch allocator of kernels that build TMA descriptors on the device; call before each
+    launch of one. Triton (3.6) keeps its allocator in a `contextvars.ContextVar`, which autograd's CUDA backward
+    thread does not inherit from the thread that set it, so setting it once at import would leave every backward
+    launch without one."""
+    if HAS_TRITON:
+        triton.set_allocator(_descriptor_scratch)
 
 
 def num_sms(device: torch.device) -> int:
