@@ -58,6 +58,8 @@ from kernels.rows import gather_rows, gather_rows_ref, sum_rows
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl, tma_k_loop
 
 __all__ = [
@@ -291,7 +293,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_gemm_kernel(
-        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
+        a_ptr, a_desc, b_ptr, b_desc, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
         M, N, K, G,
         stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
@@ -300,15 +302,13 @@ if HAS_TRITON:
     ):  # fmt: skip
         """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
         tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile. With
-        TMA the K loop is `tma_k_loop` over descriptors built here, once per program (b as its [G·N, K] rows, which
-        needs b contiguous); else pointer loads (any strides, K tails masked)."""
+        TMA the K loop is `tma_k_loop` over host-built descriptors (b as its [G·N, K] rows); else pointer loads (any
+        strides, K tails masked). Descriptors built on the device, as the other TMA kernels do, made this kernel
+        about 10 % slower on the H200 (docs/kernel_tuning.md)."""
         BLOCK_K: tl.constexpr = 128
         num_n = tl.cdiv(N, BLOCK_N)
         num_tiles = tl.load(tiles_ptr + G) * num_n
         num_kb = tl.cdiv(K, BLOCK_K)
-        if TMA:
-            a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
-            b_desc = tl.make_tensor_descriptor(b_ptr, [G * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
             g = _find_group(tiles_ptr, tile // num_n, G, STEPS)
             t0 = tl.load(tiles_ptr + g)
@@ -623,11 +623,13 @@ def grouped_gemm(
     max_tiles = rows.max_blocks(cfg.block_m) * cdiv(n, cfg.block_n)
     progs = max(1, min(max_tiles, num_sms(a.device) * cfg.programs_per_sm))
     tma = cfg.tma and tma_compatible(a, b)
+    a_desc = b_desc = a
     if tma:
-        b = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
-        set_descriptor_allocator()
+        b2 = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
+        b_desc = TensorDescriptor.from_tensor(b2.view(g * n, k), [cfg.block_n, BLOCK])
     _grouped_gemm_kernel[(progs,)](
-        a, b, c, a_scale, b_scale, rows.offsets, tiles, m, n, k, g,
+        a, a_desc, b, b_desc, c, a_scale, b_scale, rows.offsets, tiles, m, n, k, g,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
