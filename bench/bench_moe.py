@@ -218,16 +218,14 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
     (`fp8.expert_wgrad=bf16`). Saved activations via saved-tensor hooks."""
     results = []
     base = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
-    fp8 = base.replace(precision="fp8")
-    variants = {"bf16": (base, {}), "fp8, padding on": (fp8, {}),
-                "fp8, padding off": (base.replace(precision="fp8", pad_for_fp8=False), {}),
-                "fp8, bf16 wgrad": (base.replace(precision="fp8", fp8_expert_wgrad="bf16"), {})}  # fmt: skip
+    variants = {"bf16": base, "fp8, padding on": base.replace(precision="fp8"),
+                "fp8, padding off": base.replace(precision="fp8", pad_for_fp8=False),
+                "fp8, bf16 wgrad": base.replace(precision="fp8", fp8_expert_wgrad="bf16")}  # fmt: skip
     torch.manual_seed(0)
     state = None
-    for name, (cfg, tuning) in variants.items():
-        with G.GROUPED_TUNING.override(**tuning):  # holds in autograd's backward thread too
-            results.append(layer_variant(name, cfg, tokens, experts, state))
-            state = results[-1].pop("state")
+    for name, cfg in variants.items():
+        results.append(layer_variant(name, cfg, tokens, experts, state))
+        state = results[-1].pop("state")
         torch.cuda.empty_cache()
     return results
 
