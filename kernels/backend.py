@@ -67,7 +67,11 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global memory for the TMA descriptors a kernel builds on the device (`tl.make_tensor_descriptor`): a few
-    hundred bytes per program, from PyTorch's caching allocator on the current device and stream."""
+    hundred bytes per program, from PyTorch's caching allocator on the current device and stream (Triton launches
+    there). The caching allocator's blocks are at least 256-byte aligned, more than the 128 bytes a descriptor
+    needs; `stream` is the current stream, the one the allocator serves."""
+    if alignment > 256:
+        raise ValueError(f"Triton asked for {alignment}-byte aligned scratch; the caching allocator guarantees 256")
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
