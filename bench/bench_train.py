@@ -46,6 +46,9 @@ VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],
     "fp8": ["precision=fp8", "optim=fp8_adamw"],
     "fp8_bf16wgrad": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16"],  # experts' dW from bf16 operands
+    # each layer's forward and backward replayed from CUDA graphs (model.cuda_graphs): the host-bound steps
+    "fp8_graphs": ["precision=fp8", "optim=fp8_adamw", "model.cuda_graphs=true"],
+    "bf16_graphs": ["precision=bf16", "optim=adamw", "model.cuda_graphs=true"],
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
     "bf16_fp8_adam": ["precision=bf16", "optim=fp8_adamw"],
     # ZeRO-2 (fp32 accumulation into its gradient partitions) instead of --deepspeed's ZeRO-1: the grad path

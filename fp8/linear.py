@@ -65,7 +65,8 @@ from fp8.quant import (
     quantize_tensorwise,
 )
 
-__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "RECIPES", "ABLATION_COMPONENTS", "EMULATED"]
+__all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "weight_caches", "RECIPES",
+           "ABLATION_COMPONENTS", "EMULATED"]
 
 RECIPES = ("blockwise", "tensorwise")
 # What `FP8Linear.set_ablation` can keep in high precision: the forward's x and W, dgrad's dy and W, wgrad's dyᵀ
@@ -84,10 +85,15 @@ class WeightCache:
     updates autograd does not see (DeepSpeed writes through `.data`) need `clear()`, which
     `invalidate_fp8_weight_caches(model)` calls on every cache of a model. `quantize(w) -> tuple of tensors` runs
     under no_grad.
+
+    `stable = True` (set by `model.graphs.LayerGraphs` for the layers it captures): a re-quantization writes into
+    the tensors already cached instead of replacing them, so that a CUDA graph that reads them reads the new
+    weight; `clear()` then keeps the tensors, and a quantization of another shape or dtype is refused.
     """
 
     def __init__(self, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> None:
         self.quantize = quantize
+        self.stable = False
         self._key: tuple | None = None
         self._value: tuple[torch.Tensor, ...] = ()
 
@@ -96,23 +102,41 @@ class WeightCache:
         key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device, *options)
         if self._key != key:
             with torch.no_grad():
-                self._value = self.quantize(w.detach())
+                value = self.quantize(w.detach())
+                if self.stable and self._value:
+                    self._write_in_place(value)
+                else:
+                    self._value = value
             self._key = key
         return self._value
 
+    def _write_in_place(self, value: tuple[torch.Tensor, ...]) -> None:
+        layouts = lambda ts: [(t.shape, t.dtype, t.device) for t in ts]  # noqa: E731
+        if layouts(value) != layouts(self._value):
+            raise RuntimeError(f"an FP8 weight cache read by a CUDA graph (model.cuda_graphs) changed its layout: "
+                               f"{layouts(self._value)} -> {layouts(value)}; the graph would read stale memory")
+        for old, new in zip(self._value, value):
+            old.copy_(new)
+
     def clear(self) -> None:
-        """Drop the cached FP8 weight: the next `get` quantizes again."""
-        self._key, self._value = None, ()
+        """Drop the cached FP8 weight: the next `get` quantizes again (into the same tensors when `stable`)."""
+        self._key = None
+        if not self.stable:
+            self._value = ()
+
+
+def weight_caches(model: nn.Module) -> list[WeightCache]:
+    """Every FP8 weight cache owned by `model`'s modules (FP8Linear, the FP8 grouped experts: any `WeightCache`
+    attribute)."""
+    return [value for module in model.modules() for value in vars(module).values() if isinstance(value, WeightCache)]
 
 
 def invalidate_fp8_weight_caches(model: nn.Module) -> None:
     """Make every FP8 weight cache owned by `model`'s modules (FP8Linear, the FP8 grouped experts: any
     `WeightCache` attribute) re-quantize at its next use; call after the weights changed in place unseen by
     autograd."""
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, WeightCache):
-                value.clear()
+    for cache in weight_caches(model):
+        cache.clear()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -323,6 +347,17 @@ class FP8Linear(nn.Linear):
     def fp8_weights(self) -> tuple[torch.Tensor, ...]:
         """The cache's whole FP8 form: blockwise (W_q, W_s, Wᵀ_q, Wᵀ_s), tensorwise (W_q, scale)."""
         return self._wcache.get(self.weight, self.recipe, self.pow2_scales)
+
+    def refresh_fp8_weights(self) -> None:
+        """Quantize the weight now if it changed (what the next forward would do first): a CUDA graph that
+        replays this layer's forward calls no Python, so `model.graphs.LayerGraphs` calls this before a replay."""
+        if self.use_fp8 and not self.ablate:
+            self.fp8_weights()
+
+    def graph_state(self) -> tuple:
+        """What a captured graph of this layer depends on besides tensors (`model.graphs.LayerGraphs` recaptures
+        when it changes)."""
+        return self.use_fp8, self.ablate, self.recipe, self.pow2_scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:

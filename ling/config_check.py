@@ -342,12 +342,31 @@ def _cross_problems(cfg: DictConfig, plain: dict[str, Any], world: int) -> list[
             conf = _attempt(problems, lambda: deepspeed_config(cfg, half))
             if conf is not None:
                 _attempt(problems, lambda: check_deepspeed_config(conf, optim["name"]))
+    problems += _cuda_graph_problems(plain, device)
     ep = plain["moe"].get("ep_size", 1)
     if ep > 1 and world % ep:
         problems.append(f"moe.ep_size={ep} does not divide the world size ({world} ranks): the experts are split over "
                         "groups of ep_size consecutive ranks")
     if ep > 1 and ds["zero_stage"] not in (1, 2):
         problems.append(f"moe.ep_size={ep} needs deepspeed.zero_stage 1 or 2 (got {ds['zero_stage']})")
+    return problems
+
+
+def _cuda_graph_problems(plain: dict[str, Any], device: Any) -> list[str]:
+    """model.cuda_graphs=true: what a captured layer cannot do (model/graphs.py; ModelConfig checks recompute and
+    moe.ep_size)."""
+    model, data = plain["model"], plain.get("data") or {}
+    if not model.get("cuda_graphs"):
+        return []
+    problems = []
+    if device is not None and device.type != "cuda":
+        problems.append(f"model.cuda_graphs=true needs train.device cuda (resolved to {device.type})")
+    if plain["deepspeed"]["zero_stage"] == 3:
+        problems.append("model.cuda_graphs=true needs deepspeed.zero_stage 0, 1 or 2: ZeRO-3 gathers parameters in "
+                        "module hooks, which a replayed graph does not run")
+    if data.get("document_mask") and model.get("document_attention", "auto") in ("auto", "flex"):
+        problems.append("model.cuda_graphs=true with data.document_mask=true needs model.document_attention=dense: "
+                        "FlexAttention's BlockMask is not a tensor a graph can take")
     return problems
 
 

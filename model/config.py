@@ -71,6 +71,9 @@ class ModelConfig:
     # plan, the dense/shared SwiGLU) fused by torch.compile — "auto" (on CUDA tensors), "on" (everywhere, also
     # CPU through Inductor's C++ backend), "off" (eager: the reference)
     compile_ops: str = "auto"
+    # host overhead: each decoder / MTP layer's forward and backward replayed from a CUDA graph (model/graphs.py;
+    # CUDA, recompute none or selective, no FlexAttention BlockMask, moe.ep_size 1, ZeRO 0-2)
+    cuda_graphs: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,12 @@ class ModelConfig:
         need(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         need(self.compile_ops in COMPILE_OPS, "compile_ops",
              f"must be one of {', '.join(COMPILE_OPS)}, got {self.compile_ops!r}")
+        need(not self.cuda_graphs or self.recompute_mode != "full", "cuda_graphs",
+             "true needs model.recompute none or selective (a fully recomputed layer runs its forward again inside "
+             "backward, which a captured graph cannot)")
+        need(not self.cuda_graphs or self.ep_size == 1, "cuda_graphs",
+             f"true needs moe.ep_size=1 (got {self.ep_size}): the expert-parallel exchange reads its split sizes on "
+             "the host")
         need(not self.activation_checkpointing or self.recompute in ("none", "full"), "activation_checkpointing",
              f"true is the old spelling of model.recompute=full and contradicts model.recompute={self.recompute}; "
              "set only model.recompute")

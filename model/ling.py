@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
+from model.graphs import LayerGraphs
 from model.layers import MLP, Attention, AttentionMask, RMSNorm, RotaryEmbedding, attention_mask, scope
 from model.loss import IGNORE_INDEX, LMHead, cross_entropy
 from model.moe import GroupedExperts, MoE, Router, RouterOutput, check_expert_parallel_group
@@ -104,6 +105,10 @@ class LingForCausalLM(nn.Module):
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         self.mtp_layers = nn.ModuleList(MTPLayer(config, ep_group) for _ in range(config.num_mtp_layers))
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_base)
+        # `model.cuda_graphs`: the blocks' forward and backward replayed from CUDA graphs (model/graphs.py)
+        self.graphs = (LayerGraphs([*self.layers, *self.mtp_layers],
+                                   [0 < i < len(self.layers) for i in range(len(self.layers) + len(self.mtp_layers))])
+                       if config.cuda_graphs else None)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -151,6 +156,15 @@ class LingForCausalLM(nn.Module):
             return checkpoint(layer, *args, use_reentrant=False)
         return layer(*args)
 
+    def _graphed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> bool:
+        """Whether this forward's blocks replay CUDA graphs (`model.cuda_graphs`, training with gradients; the
+        graphs are captured or re-captured here when needed)."""
+        if self.graphs is None or not (self.training and torch.is_grad_enabled()):
+            return False
+        tail = () if mask is None else (mask,)
+        samples = [(x, cos, sin, *tail)] * len(self.layers) + [(x, x, cos, sin, *tail)] * len(self.mtp_layers)
+        return self.graphs.ready(samples, {"mask": None} if mask is None else {})
+
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None,
               return_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """h [B, T, H] → (logits [B, T, V] if asked, mean CE if labels): the fused chunked loss when the logits
@@ -173,8 +187,11 @@ class LingForCausalLM(nn.Module):
         with scope("embedding"):
             x = self.word_embeddings(input_ids)
         router_losses = torch.zeros(2, device=x.device)
-        for layer in self.layers:
-            x, losses = self._run_layer(layer, x, cos, sin, mask)
+        graphed = self._graphed(x, cos, sin, mask)
+        tail = () if mask is None else (mask,)
+        for i, layer in enumerate(self.layers):
+            x, losses = (self.graphs.run(i, x, cos, sin, *tail) if graphed
+                         else self._run_layer(layer, x, cos, sin, mask))
             router_losses = router_losses + losses
         h = self.norm(x)
         out = LingOutput(mtp_logits=[] if return_logits else None)
@@ -185,7 +202,8 @@ class LingForCausalLM(nn.Module):
             with scope("embedding"):
                 emb = self.word_embeddings(shift_left(input_ids, depth, 0))
             # depth d keeps position t's document mask: its input at t is token t+d, its target token t+d+1
-            h, losses = self._run_layer(mtp, emb, h, cos, sin, mask)
+            h, losses = (self.graphs.run(len(self.layers) + depth - 1, emb, h, cos, sin, *tail) if graphed
+                         else self._run_layer(mtp, emb, h, cos, sin, mask))
             router_losses = router_losses + losses
             mtp_labels = shift_left(labels, depth, IGNORE_INDEX) if labels is not None else None
             logits, loss = self._head(h, mtp_labels, return_logits)

@@ -189,6 +189,17 @@ class GroupedExperts(nn.Module):
         """The global experts held here (dim 0 of the full [num_experts, ...] stacks)."""
         return slice(self.first_expert, self.first_expert + self.num_local_experts)
 
+    def refresh_fp8_weights(self) -> None:
+        """Quantize the expert weights now if they changed (what the next forward would do first; called before a
+        CUDA graph replays this layer, `model.graphs.LayerGraphs`)."""
+        if self.fp8:
+            self._gate_up_fp8.get(self.gate_up_proj)
+            self._down_fp8.get(self.down_proj)
+
+    def graph_state(self) -> tuple:
+        """What a captured graph of this layer depends on besides tensors."""
+        return self.fp8, self.wgrad, self.pow2_scales
+
     def forward(self, x: torch.Tensor, topk_weight: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """x [T, H] tokens (under expert parallelism: the received rows), topk_weight [T, k], plan over the
         local experts → [T, H]."""

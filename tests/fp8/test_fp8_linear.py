@@ -127,6 +127,30 @@ def test_weight_cache_once_per_step():
     assert layer.quantized_weight()[0] is not q2
 
 
+def test_a_stable_weight_cache_requantizes_into_the_same_tensors():
+    """What a CUDA graph reading the cache needs (model.cuda_graphs): same tensors, new values, equal to a fresh
+    quantization; a layout change is refused."""
+    layer = FP8Linear(256, 128)
+    cache = layer._wcache
+    cache.stable = True
+    first = layer.fp8_weights()
+    ptrs = [t.data_ptr() for t in first]
+    with torch.no_grad():
+        layer.weight.data.mul_(3.0).add_(0.5)  # behind autograd's back, as DeepSpeed writes
+    invalidate_fp8_weight_caches(layer)
+    layer.refresh_fp8_weights()
+    again = layer.fp8_weights()
+    assert [t.data_ptr() for t in again] == ptrs and all(a is b for a, b in zip(again, first))
+    fresh = FP8Linear(256, 128)
+    fresh.load_state_dict(layer.state_dict())
+    for a, b in zip(again, fresh.fp8_weights()):
+        assert torch.equal(a.float(), b.float())
+    with torch.no_grad():
+        layer.weight = nn.Parameter(torch.randn(128, 384))  # another shape: a graph would read stale memory
+    with pytest.raises(RuntimeError, match="changed its layout"):
+        layer.fp8_weights()
+
+
 @pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
 def test_health_stats_do_not_change_numerics(recipe):
     torch.manual_seed(2)

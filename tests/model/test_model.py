@@ -352,3 +352,20 @@ def test_forward_and_backward_outside_the_moe_have_no_host_sync(recompute, monke
     with FailOnHostSync():  # and the detector does catch a sync
         with pytest.raises(AssertionError, match="synchronise"):
             bool(labels.sum() > 0)
+
+
+def test_cuda_graphs_on_cpu_tensors_are_refused_in_training_and_unused_without_gradients():
+    """model.cuda_graphs (model/graphs.py) captures on CUDA only: a training forward on CPU names the key; a
+    forward without gradients (eval) runs eagerly and gives the eager model's loss."""
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny", vocab_size=64)
+    eager = LingForCausalLM(cfg)
+    graphed = LingForCausalLM(cfg.replace(cuda_graphs=True))
+    graphed.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ValueError, match="model.cuda_graphs needs CUDA tensors"):
+        graphed(ids, labels=ids)
+    with torch.no_grad():
+        assert torch.equal(graphed(ids, labels=ids).loss, eager(ids, labels=ids).loss)
+    graphed.eval()
+    assert torch.equal(graphed(ids, labels=ids).loss, eager.eval()(ids, labels=ids).loss)

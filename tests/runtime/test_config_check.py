@@ -103,6 +103,12 @@ def test_the_tests_run_configs_pass():
      "model.vocab_size=1024 is smaller than the tokenizer's vocab"),
     (["moe.ep_size=4", "model.num_experts=8"], "moe.ep_size=4 does not divide the world size (2 ranks)"),
     (["moe.ep_size=2", "deepspeed=zero3"], "moe.ep_size=2 needs deepspeed.zero_stage 1 or 2 (got 3)"),
+    (["model.cuda_graphs=true"], "model.cuda_graphs=true needs train.device cuda (resolved to cpu)"),
+    (["model.cuda_graphs=true", "model.recompute=full"], "model.cuda_graphs: true needs model.recompute none or"),
+    (["model.cuda_graphs=true", "moe.ep_size=2"], "model.cuda_graphs: true needs moe.ep_size=1 (got 2)"),
+    (["model.cuda_graphs=true", "deepspeed=zero3"], "model.cuda_graphs=true needs deepspeed.zero_stage 0, 1 or 2"),
+    (["model.cuda_graphs=true", "data=bundled", "data.document_mask=true"],
+     "model.cuda_graphs=true with data.document_mask=true needs model.document_attention=dense"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(overrides, message):
     found = problems("+exp=tiny_cpu", *overrides, world=2)
