@@ -42,6 +42,7 @@ from fp8 import grouped as G  # noqa: E402
 from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
+from model.graphs import LayerGraphs  # noqa: E402
 from model.moe import MoE, Router  # noqa: E402
 
 H, INTER, TOPK = 2048, 512, 8
@@ -215,23 +216,28 @@ def correctness(tokens: int, experts: int) -> dict:
 
 def layer_rows(tokens: int, experts: int) -> list[dict]:
     """MoE layer forward+backward: bf16, FP8 with padding, FP8 without, FP8 with the bf16 expert wgrad
-    (`fp8.expert_wgrad=bf16`). Saved activations via saved-tensor hooks."""
+    (`fp8.expert_wgrad=bf16`), and bf16 / FP8 replayed from CUDA graphs (`model.cuda_graphs`: the layer's forward
+    and backward captured by `model.graphs.LayerGraphs`). Saved activations via saved-tensor hooks (the eager
+    forward's, also for the graphed rows)."""
     results = []
     base = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
     variants = {"bf16": base, "fp8, padding on": base.replace(precision="fp8"),
                 "fp8, padding off": base.replace(precision="fp8", pad_for_fp8=False),
-                "fp8, bf16 wgrad": base.replace(precision="fp8", fp8_expert_wgrad="bf16")}  # fmt: skip
+                "fp8, bf16 wgrad": base.replace(precision="fp8", fp8_expert_wgrad="bf16"),
+                "bf16, CUDA graph": base, "fp8, CUDA graph": base.replace(precision="fp8")}  # fmt: skip
     torch.manual_seed(0)
     state = None
     for name, cfg in variants.items():
-        results.append(layer_variant(name, cfg, tokens, experts, state))
+        results.append(layer_variant(name, cfg, tokens, experts, state, graphed=name.endswith("CUDA graph")))
         state = results[-1].pop("state")
         torch.cuda.empty_cache()
     return results
 
 
-def layer_variant(name: str, cfg: ModelConfig, tokens: int, experts: int, state: dict | None) -> dict:
-    """One row of `layer_rows`; `state` the weights of the first variant (None: this is it, initialize)."""
+def layer_variant(name: str, cfg: ModelConfig, tokens: int, experts: int, state: dict | None,
+                  graphed: bool = False) -> dict:
+    """One row of `layer_rows`; `state` the weights of the first variant (None: this is it, initialize);
+    `graphed`: forward and backward replayed from CUDA graphs."""
     moe = MoE(cfg).cuda().bfloat16()
     if state is None:
         for p in moe.parameters():
@@ -242,12 +248,13 @@ def layer_variant(name: str, cfg: ModelConfig, tokens: int, experts: int, state:
     moe.load_state_dict(state)
     x = torch.randn(1, tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
+    graphs = LayerGraphs([moe], [False]) if graphed else None
 
     def step(moe=moe, x=x, g=g):
         for p in moe.parameters():  # as each micro-batch's own gradients: no accumulation kernels
             p.grad = None
         x.grad = None
-        out, _ = moe(x)
+        out, _ = graphs.run(0, x) if graphs is not None and graphs.ready([(x,)]) else moe(x)
         out.backward(g)
 
     step()
@@ -475,13 +482,14 @@ def main() -> None:
     if "layer" not in report:
         return
     print(f"\n### MoE layer forward+backward, {args.experts} experts (router, dispatch, experts, combine, shared)\n")
-    print("| tokens | variant | ms | vs bf16 | GPU busy ms | vs bf16 | expert TFLOPS | saved activations MiB "
-          "| peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | variant | ms | vs bf16 | GPU busy ms | vs bf16 | wall / busy | expert TFLOPS "
+          "| saved activations MiB | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in report["layer"]:
         base = next(b for b in report["layer"] if b["tokens"] == r["tokens"] and b["variant"] == "bf16")
         print(f"| {r['tokens']} | {r['variant']} | {r['ms']:.2f} | {base['ms'] / r['ms']:.2f}x | {r['busy_ms']:.2f} | "
-              f"{base['busy_ms'] / r['busy_ms']:.2f}x | {r['expert_tflops']:.0f} | {r['saved_mib']:.0f} | "
+              f"{base['busy_ms'] / r['busy_ms']:.2f}x | {r['ms'] / r['busy_ms']:.2f} | {r['expert_tflops']:.0f} | "
+              f"{r['saved_mib']:.0f} | "
               f"{r['peak_mib']:.0f} |")
 
 
