@@ -18,13 +18,16 @@ How (`LayerGraphs`; the capture follows `torch.cuda.make_graphed_callables`, wit
   outside the pool, so the pool holds one block's gradients rather than the whole model's (+1 copy of each
   gradient, ~1 % of an e64 step). They must be consumed before the next block's backward replays: DeepSpeed's
   gradient hooks do so at once (autograd runs AccumulateGrad first); without such hooks, a gradient autograd
-  stored by reference is cloned out of the slab before the next replay (`_release`).
+  stored by reference is cloned out of the slab before the next replay (`_unalias_pending_grads`).
 - Buffers the warm-up passes touch (the routers' expert-load counts) are restored after the capture; a
   captured forward keeps updating them at every replay, as the eager forward does.
 - FP8 weight caches are made `stable` (fp8/linear.py: re-quantized into the same tensors) and refreshed from
   Python before each forward replay (`refresh_fp8_weights`): the graphs read the current weights.
 - Falls back to eager for a forward in which any FP8 module collects health (the monitor's sampled steps): the
-  graphs are kept, and that step's eager activations come on top of the pool.
+  graphs are released first, so that the eager step has the memory an eager run has, and captured again at the
+  next training forward (one warm-up pass per block; the first capture makes `warmup` passes).
+- A capture that runs out of memory releases what it holds, logs a warning naming `model.cuda_graphs`, and the run
+  goes on eagerly (`disabled` says why).
 
 Limits (refused with the key named, ling/config_check.py and `LayerGraphs.inputs_supported`): CUDA only;
 `model.recompute` none or selective (a fully checkpointed layer recomputes its forward inside backward); no
@@ -35,6 +38,7 @@ profile with `model.cuda_graphs=false` to see the kernels by part.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,7 +48,9 @@ from torch import nn
 
 from fp8.linear import weight_caches
 
-WARMUP_PASSES = 2  # eager forward+backward passes per block before capture (the first compiles)
+log = logging.getLogger(__name__)
+
+WARMUP_PASSES = 2  # eager forward+backward passes per block before the first capture (the first pass compiles)
 SLAB_ALIGNMENT = 128  # elements between two gradients in a slab (256 bytes in bf16)
 
 
@@ -88,7 +94,7 @@ class _Replay(torch.autograd.Function):
         for static, g in zip(graph.grad_outputs, grads):
             if static is not None and static.data_ptr() != g.data_ptr():
                 static.copy_(g)
-        runner._release()
+        runner._unalias_pending_grads()
         graph.bwd.replay()
         runner._pending = graph
         return None, None, *(g.detach() if g is not None else None for g in (*graph.grad_inputs, *graph.grad_params))
@@ -123,6 +129,8 @@ class LayerGraphs:
         self._key: tuple | None = None
         self._pending: _Graph | None = None  # the block whose gradients sit in the slab
         self._slabs: dict[torch.dtype, torch.Tensor] = {}
+        self._captures = 0
+        self.disabled: str | None = None  # why the graphs are off for the rest of the run (None: they are not)
 
     # ------------------------------------------------------------------ per forward
     @staticmethod
@@ -142,7 +150,10 @@ class LayerGraphs:
         """Prepare the graphs for a forward whose blocks take `samples` (block i's args, tensors) and the constant
         keyword arguments `kwargs` (e.g. mask=None); False when this forward must run eagerly (a module collects
         FP8 health)."""
+        if self.disabled:
+            return False
         if any(getattr(m, "collect_health", False) for m in self._watched):
+            self.release()
             return False
         problem = self.inputs_supported(samples)
         if problem:
@@ -150,11 +161,28 @@ class LayerGraphs:
         key = (tuple(tuple((a.shape, a.dtype, a.device, a.requires_grad) for a in args) for args in samples),
                tuple(m.graph_state() for m in self._watched if hasattr(m, "graph_state")), repr(kwargs))
         if key != self._key:
+            self.release()
             self._kwargs = dict(kwargs or {})
-            self._capture(samples)
+            try:
+                self._capture(samples)
+            except torch.OutOfMemoryError as error:
+                self.release()
+                self.disabled = f"capturing the layers' CUDA graphs ran out of GPU memory ({str(error)[:200]})"
+                log.warning("model.cuda_graphs: %s; the run goes on without CUDA graphs (set model.cuda_graphs=false "
+                            "or a smaller train.micro_batch_size)", self.disabled)
+                return False
             self._key = key
-        self._release()
+        self._unalias_pending_grads()
         return True
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool; the next `ready` captures again."""
+        if not self._graphs and not self._slabs:
+            return
+        self._graphs, self._pending, self._slabs, self._key = [], None, {}, None
+        if torch.cuda.is_available():
+            _synchronize()
+            torch.cuda.empty_cache()
 
     def run(self, i: int, *args: torch.Tensor):
         """Block i's outputs from its graph (its FP8 weights refreshed first)."""
@@ -164,7 +192,7 @@ class LayerGraphs:
         flat = _Replay.apply(graph, self, *pytree.arg_tree_leaves(*args), *graph.params)
         return pytree.tree_unflatten(list(flat), graph.spec)
 
-    def _release(self) -> None:
+    def _unalias_pending_grads(self) -> None:
         """Clone out of the slab the gradients that autograd stored by reference (no hook consumed them) before
         the slab is written again."""
         graph, self._pending = self._pending, None
@@ -176,13 +204,22 @@ class LayerGraphs:
 
     # ------------------------------------------------------------------ capture
     def _capture(self, samples: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        self._graphs, self._pending, self._slabs = [], None, {}
-        torch.cuda.synchronize()
+        """Warm up and capture every block; the blocks' buffers (the expert loads) are restored however it ends."""
+        _synchronize()
         buffers = [(b, b.clone()) for block in self.blocks for b in block.buffers()]
+        try:
+            self._graphs = self._capture_all(samples)
+        finally:
+            for b, saved in buffers:
+                b.copy_(saved)
+            _synchronize()
+        self._captures += 1
+
+    def _capture_all(self, samples: Sequence[tuple[torch.Tensor, ...]]) -> list[_Graph]:
         for cache in (c for block in self.blocks for c in weight_caches(block)):
             cache.stable = True
         graphs = [self._new_graph(block, args) for block, args in zip(self.blocks, samples)]
-        self._warm_up(graphs)
+        self._warm_up(graphs, self.warmup if self._captures == 0 else 1)
         pool = torch.cuda.graph_pool_handle()
         for i, graph in enumerate(graphs):  # forwards in model order
             if self.chained[i]:
@@ -198,10 +235,7 @@ class LayerGraphs:
             if i + 1 < len(graphs) and self.chained[i + 1]:
                 graph.grad_outputs = _chain_grad(graph, graphs[i + 1])
             self._capture_backward(graph, pool)
-        for b, saved in buffers:
-            b.copy_(saved)
-        torch.cuda.synchronize()
-        self._graphs = graphs
+        return graphs
 
     def _new_graph(self, block: nn.Module, args: tuple[torch.Tensor, ...]) -> _Graph:
         inputs = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
@@ -215,14 +249,14 @@ class LayerGraphs:
         """The block on its static inputs, its parameters replaced by their aliases."""
         return torch.func.functional_call(graph.block, graph.aliases, graph.inputs, self._kwargs)
 
-    def _warm_up(self, graphs: list[_Graph]) -> None:
+    def _warm_up(self, graphs: list[_Graph], passes: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for graph in graphs:
                 for refresh in graph.refresh:
                     refresh()
-                for _ in range(self.warmup):
+                for _ in range(passes):
                     outputs = [o for o in pytree.tree_leaves(self._call(graph))
                                if isinstance(o, torch.Tensor) and o.requires_grad]
                     wrt = [t for t in (*graph.inputs, *graph.aliases.values()) if t.requires_grad]
@@ -267,6 +301,12 @@ class LayerGraphs:
         graph.grad_inputs = tuple(next(it) if t.requires_grad else None for t in graph.inputs)
         graph.grad_params = tuple(v if g is not None else None for v, g in zip(views, grads[n_inputs:]))
         del grads
+
+
+def _synchronize() -> None:
+    """Wait for the GPU where there is one (the capture's decisions are also tested on CPU builds)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _aligned(n: int) -> int:

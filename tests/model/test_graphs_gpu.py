@@ -1,6 +1,7 @@
 """GPU checks of `model.cuda_graphs` (model/graphs.py): a graphed model gives the eager model's losses, gradients
 and expert loads over gradient accumulation, after a weight update (the FP8 weight caches refreshed in place) and
-when a step collects FP8 health (eager fallback); it recaptures when a layer falls back to high precision."""
+when a step collects FP8 health (the graphs released, the step eager, captured again after); it recaptures when a
+layer falls back to high precision."""
 
 from __future__ import annotations
 
@@ -88,8 +89,19 @@ def test_health_steps_run_eagerly_and_a_fallback_recaptures():
     for r in graphed.routers():
         r.tokens_per_expert.zero_()
     _check_same(eager, graphed, _micro_batches(eager, batch), _micro_batches(graphed, batch))
-    assert graphed.graphs._graphs is captured  # kept, not used
+    assert graphed.graphs._graphs == []  # released: the eager step has an eager run's memory
     assert any(m.health for m in graphed.modules() if isinstance(m, FP8Linear))  # the eager pass collected
+    for model in (eager, graphed):
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.collect_health = False
+        for p in model.parameters():
+            p.grad = None
+        for r in model.routers():
+            r.tokens_per_expert.zero_()
+    _check_same(eager, graphed, _micro_batches(eager, batch), _micro_batches(graphed, batch))
+    assert graphed.graphs._graphs and graphed.graphs._graphs is not captured  # captured again
+    captured = graphed.graphs._graphs
     for model in (eager, graphed):
         for m in model.modules():
             if isinstance(m, FP8Linear):
