@@ -13,7 +13,8 @@ How (`LayerGraphs`; the capture follows `torch.cuda.make_graphed_callables`, wit
   captured in model order and the backwards in reverse, all in one memory pool, the order they run in.
 - Inputs: a block's static input is the previous block's static output where one feeds the next (no copy); other
   inputs are copied in when they live elsewhere. Outputs are the graph's static tensors (valid until the block
-  replays again, i.e. the next micro-batch).
+  replays again, i.e. the next micro-batch). Activations live in the graphs too, so each graphed forward's
+  backward must come before the next graphed forward; a backward through an overwritten forward is refused.
 - Parameter gradients: every backward graph copies its parameter gradients into one shared slab per dtype,
   outside the pool, so the pool holds one block's gradients rather than the whole model's (+1 copy of each
   gradient, ~1 % of an e64 step). They must be consumed before the next block's backward replays: DeepSpeed's
@@ -82,7 +83,7 @@ class _Replay(torch.autograd.Function):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x)
         graph.fwd.replay()
-        ctx.graph, ctx.runner = graph, runner
+        ctx.graph, ctx.runner, ctx.forward_index = graph, runner, runner.forwards
         outputs = tuple(o.detach() for o in graph.outputs)
         ctx.mark_non_differentiable(*(o for o, g in zip(outputs, graph.grad_outputs) if g is None))
         return outputs
@@ -91,6 +92,10 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor):
         graph, runner = ctx.graph, ctx.runner
+        if ctx.forward_index != runner.forwards:
+            raise RuntimeError("model.cuda_graphs: backward through a graphed forward after a later graphed forward "
+                               "overwrote its activations; run each forward's backward before the next forward (or "
+                               "set model.cuda_graphs=false)")
         for static, g in zip(graph.grad_outputs, grads):
             if static is not None and static.data_ptr() != g.data_ptr():
                 static.copy_(g)
@@ -130,6 +135,7 @@ class LayerGraphs:
         self._pending: _Graph | None = None  # the block whose gradients sit in the slab
         self._slabs: dict[torch.dtype, torch.Tensor] = {}
         self._captures = 0
+        self.forwards = 0  # graphed forwards so far: a backward must belong to the latest (its activations)
         self.disabled: str | None = None  # why the graphs are off for the rest of the run (None: they are not)
 
     # ------------------------------------------------------------------ per forward
@@ -173,6 +179,7 @@ class LayerGraphs:
                 return False
             self._key = key
         self._unalias_pending_grads()
+        self.forwards += 1
         return True
 
     def release(self) -> None:

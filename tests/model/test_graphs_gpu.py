@@ -124,3 +124,13 @@ def test_graphs_are_refused_where_they_cannot_run():
     doc_ids = torch.arange(128, device="cuda").div(64, rounding_mode="floor").expand(2, -1)
     with pytest.raises(ValueError, match="BlockMask"):
         model(ids, labels=ids, doc_ids=doc_ids)
+
+
+def test_a_backward_through_an_overwritten_graphed_forward_is_refused():
+    _, graphed = _models("bf16", "none")
+    ids = torch.randint(0, 1024, (2, 256), device="cuda")
+    first = graphed(ids, labels=ids).loss
+    second = graphed(ids, labels=ids).loss  # replays the graphs: the first forward's activations are gone
+    second.backward()
+    with pytest.raises(RuntimeError, match="overwrote its activations"):
+        first.backward()
