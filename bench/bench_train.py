@@ -46,7 +46,9 @@ VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],
     "fp8": ["precision=fp8", "optim=fp8_adamw"],
     "fp8_bf16wgrad": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16"],  # experts' dW from bf16 operands
-    # each layer's forward and backward replayed from CUDA graphs (model.cuda_graphs): the host-bound steps
+    # each layer's forward and backward replayed from CUDA graphs (model.cuda_graphs): the host-bound steps. Step 1
+    # runs eagerly (the FP8 monitor samples it), step 2 captures: time these rows with --warmup 2 (with --warmup 1
+    # the capture step is among the medians' steps and the median leans slow)
     "fp8_graphs": ["precision=fp8", "optim=fp8_adamw", "model.cuda_graphs=true"],
     "bf16_graphs": ["precision=bf16", "optim=adamw", "model.cuda_graphs=true"],
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],
