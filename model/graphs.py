@@ -225,7 +225,11 @@ class LayerGraphs:
     def _capture_all(self, samples: Sequence[tuple[torch.Tensor, ...]]) -> list[_Graph]:
         for cache in (c for block in self.blocks for c in weight_caches(block)):
             cache.stable = True
-        graphs = [self._new_graph(block, args) for block, args in zip(self.blocks, samples)]
+        graphs: list[_Graph] = []
+        for block, args, chained in zip(self.blocks, samples, self.chained):
+            # a chained block's first input becomes the previous block's output at capture: until then (the
+            # warm-up) it borrows the first block's, rather than holding a copy of the residual stream per layer
+            graphs.append(self._new_graph(block, args, graphs[0].inputs[0] if chained else None))
         self._warm_up(graphs, self.warmup if self._captures == 0 else 1)
         pool = torch.cuda.graph_pool_handle()
         for i, graph in enumerate(graphs):  # forwards in model order
@@ -244,8 +248,10 @@ class LayerGraphs:
             self._capture_backward(graph, pool)
         return graphs
 
-    def _new_graph(self, block: nn.Module, args: tuple[torch.Tensor, ...]) -> _Graph:
-        inputs = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+    def _new_graph(self, block: nn.Module, args: tuple[torch.Tensor, ...],
+                   first_input: torch.Tensor | None = None) -> _Graph:
+        inputs = tuple(first_input if i == 0 and first_input is not None
+                       else a.detach().clone().requires_grad_(a.requires_grad) for i, a in enumerate(args))
         named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         aliases = {n: p.detach().requires_grad_() for n, p in named}
         refresh = [m.refresh_fp8_weights for m in block.modules() if hasattr(m, "refresh_fp8_weights")]
