@@ -72,45 +72,35 @@ def test_graphed_model_matches_eager_over_accumulation_and_a_weight_update(preci
     _check_same(eager, graphed, _micro_batches(eager, batches[:2]), _micro_batches(graphed, batches[:2]))
 
 
+def _next_step(*models: LingForCausalLM, health: bool) -> None:
+    """What a new optimizer step looks like to the graphs: no gradients, no loads counted, the monitor's choice."""
+    for model in models:
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.collect_health = health
+        for p in model.parameters():
+            p.grad = None
+        for r in model.routers():
+            r.tokens_per_expert.zero_()
+
+
 def test_health_steps_run_eagerly_and_a_fallback_recaptures():
     eager, graphed = _models("fp8", "none")
     ids = torch.randint(0, 1024, (2, 256), device="cuda")
     batch = [(ids, torch.roll(ids, -1, 1))]
     _micro_batches(graphed, batch)
     captured = graphed.graphs._graphs
-    for m in graphed.modules():
-        if isinstance(m, FP8Linear):
-            m.collect_health = True
-    for m in eager.modules():
-        if isinstance(m, FP8Linear):
-            m.collect_health = True
-    for p in graphed.parameters():
-        p.grad = None
-    for r in graphed.routers():
-        r.tokens_per_expert.zero_()
+    _next_step(eager, graphed, health=True)
     _check_same(eager, graphed, _micro_batches(eager, batch), _micro_batches(graphed, batch))
     assert graphed.graphs._graphs == []  # released: the eager step has an eager run's memory
     assert any(m.health for m in graphed.modules() if isinstance(m, FP8Linear))  # the eager pass collected
-    for model in (eager, graphed):
-        for m in model.modules():
-            if isinstance(m, FP8Linear):
-                m.collect_health = False
-        for p in model.parameters():
-            p.grad = None
-        for r in model.routers():
-            r.tokens_per_expert.zero_()
+    _next_step(eager, graphed, health=False)
     _check_same(eager, graphed, _micro_batches(eager, batch), _micro_batches(graphed, batch))
     assert graphed.graphs._graphs and graphed.graphs._graphs is not captured  # captured again
     captured = graphed.graphs._graphs
+    _next_step(eager, graphed, health=False)
     for model in (eager, graphed):
-        for m in model.modules():
-            if isinstance(m, FP8Linear):
-                m.collect_health = False
         model.layers[1].attention.dense.use_fp8 = False  # the monitor's per-layer fallback
-        for p in model.parameters():
-            p.grad = None
-        for r in model.routers():
-            r.tokens_per_expert.zero_()
     _check_same(eager, graphed, _micro_batches(eager, batch), _micro_batches(graphed, batch))
     assert graphed.graphs._graphs is not captured  # captured again
 
