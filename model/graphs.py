@@ -17,9 +17,10 @@ How (`LayerGraphs`; the capture follows `torch.cuda.make_graphed_callables`, wit
   backward must come before the next graphed forward; a backward through an overwritten forward is refused.
 - Parameter gradients: every backward graph copies its parameter gradients into one shared slab per dtype,
   outside the pool, so the pool holds one block's gradients rather than the whole model's (+1 copy of each
-  gradient, ~1 % of an e64 step). They must be consumed before the next block's backward replays: DeepSpeed's
-  gradient hooks do so at once (autograd runs AccumulateGrad first); without such hooks, a gradient autograd
-  stored by reference is cloned out of the slab before the next replay (`_unalias_pending_grads`).
+  gradient: ~0.9 GB of traffic per e64 MoE layer and micro-batch, an estimate). They must be consumed before the
+  next block's backward replays: DeepSpeed's gradient hooks do so at once (autograd runs AccumulateGrad first);
+  without such hooks, a gradient autograd stored by reference is cloned out of the slab before the next replay
+  (`_unalias_pending_grads`).
 - Buffers the warm-up passes touch (the routers' expert-load counts) are restored after the capture; a
   captured forward keeps updating them at every replay, as the eager forward does.
 - FP8 weight caches are made `stable` (fp8/linear.py: re-quantized into the same tensors) and refreshed from
