@@ -281,14 +281,11 @@ class LayerGraphs:
         torch.cuda.synchronize()
 
     def _make_slabs(self, graphs: list[_Graph]) -> None:
-        """One slab per parameter dtype, as large as the largest block's parameters (aligned)."""
+        """One slab per parameter dtype, as large as the largest block's parameters (`_slab_ends`)."""
         need: dict[torch.dtype, int] = {}
         for graph in graphs:
-            sizes: dict[torch.dtype, int] = {}
-            for p in graph.params:
-                sizes[p.dtype] = sizes.get(p.dtype, 0) + _aligned(p.numel())
-            for dtype, n in sizes.items():
-                need[dtype] = max(need.get(dtype, 0), n)
+            for dtype, end in _slab_ends(graph.params).items():
+                need[dtype] = max(need.get(dtype, 0), end)
         device = graphs[0].inputs[0].device
         self._slabs = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in need.items()}
 
@@ -296,12 +293,8 @@ class LayerGraphs:
         outputs = [o for o, g in zip(graph.outputs, graph.grad_outputs) if g is not None]
         grads_in = [g for g in graph.grad_outputs if g is not None]
         wrt = [t for t in (*graph.inputs, *graph.aliases.values()) if t.requires_grad]
-        offsets: dict[torch.dtype, int] = {}
-        views = []
-        for p in graph.params:
-            start = offsets.get(p.dtype, 0)
-            views.append(self._slabs[p.dtype][start:start + p.numel()].view_as(p))
-            offsets[p.dtype] = start + _aligned(p.numel())
+        views = [self._slabs[p.dtype][start:start + p.numel()].view_as(p)
+                 for p, start in zip(graph.params, _slab_starts(graph.params))]
         with torch.cuda.graph(graph.bwd, pool=pool):
             grads = torch.autograd.grad(outputs, wrt, grads_in, allow_unused=True) if outputs else [None] * len(wrt)
             grads = list(grads)
@@ -323,8 +316,23 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _aligned(n: int) -> int:
-    return (n + SLAB_ALIGNMENT - 1) // SLAB_ALIGNMENT * SLAB_ALIGNMENT
+def _slab_starts(params: Sequence[torch.Tensor]) -> list[int]:
+    """Where each parameter's gradient starts in its dtype's slab: one after another, SLAB_ALIGNMENT-aligned."""
+    ends: dict[torch.dtype, int] = {}
+    starts = []
+    for p in params:
+        start = ends.get(p.dtype, 0)
+        starts.append(start)
+        ends[p.dtype] = start + (p.numel() + SLAB_ALIGNMENT - 1) // SLAB_ALIGNMENT * SLAB_ALIGNMENT
+    return starts
+
+
+def _slab_ends(params: Sequence[torch.Tensor]) -> dict[torch.dtype, int]:
+    """The slab length each dtype needs for these parameters' gradients (the layout of `_slab_starts`)."""
+    ends: dict[torch.dtype, int] = {}
+    for p, start in zip(params, _slab_starts(params)):
+        ends[p.dtype] = start + p.numel()
+    return ends
 
 
 def _chain_input(prev: _Graph, graph: _Graph) -> None:

@@ -156,14 +156,13 @@ class LingForCausalLM(nn.Module):
             return checkpoint(layer, *args, use_reentrant=False)
         return layer(*args)
 
-    def _graphed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> bool:
+    def _graphed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tail: tuple) -> bool:
         """Whether this forward's blocks replay CUDA graphs (`model.cuda_graphs`, training with gradients; the
-        graphs are captured or re-captured here when needed)."""
+        graphs are captured or re-captured here when needed). `tail`: the mask as a graph input, () when causal."""
         if self.graphs is None or not (self.training and torch.is_grad_enabled()):
             return False
-        tail = () if mask is None else (mask,)
         samples = [(x, cos, sin, *tail)] * len(self.layers) + [(x, x, cos, sin, *tail)] * len(self.mtp_layers)
-        return self.graphs.ready(samples, {"mask": None} if mask is None else {})
+        return self.graphs.ready(samples, {} if tail else {"mask": None})
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None,
               return_logits: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -187,8 +186,8 @@ class LingForCausalLM(nn.Module):
         with scope("embedding"):
             x = self.word_embeddings(input_ids)
         router_losses = torch.zeros(2, device=x.device)
-        graphed = self._graphed(x, cos, sin, mask)
         tail = () if mask is None else (mask,)
+        graphed = self._graphed(x, cos, sin, tail)
         for i, layer in enumerate(self.layers):
             x, losses = (self.graphs.run(i, x, cos, sin, *tail) if graphed
                          else self._run_layer(layer, x, cos, sin, mask))
