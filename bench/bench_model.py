@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python3 bench/bench_model.py [--models ling_mini_2_0_e64,ling_mini_2_0_l6]
         [--seq-len 4096] [--micro 1] [--steps 6] [--warmup 2] [--precision bf16|fp8] [--doc-len 1024]
         [--variants fast,old_loss,dense_mask,selective,full,old_loss_dense_mask,causal,eager] [--no-profile]
-        [--no-parts] [--loss-chunks 1024,2048,4096]
+        [--no-parts] [--loss-chunks 1024,2048,4096] [--loss-only]
     python3 bench/bench_model.py --device cpu --models tiny --seq-len 128   # smoke test
 
 Every variant is a fresh model (same seed) on random tokens packed into documents of geometric length
@@ -19,7 +19,8 @@ Variants (one change each from `fast`):
   causal      no doc_ids at all (plain causal flash attention): the attention floor
   eager       model.compile_ops=off: the norms, QK-norm + RoPE, router, dispatch plan and SwiGLU run as eager
               ops instead of torch.compile'd functions (compiled on the first warm-up step)
-Then (unless --no-parts) the LM head + loss and the attention core alone, and (unless --no-profile) a
+Then (unless --no-parts) the LM head + loss and the attention core alone (`--loss-only`: the LM head rows and
+nothing else), and (unless --no-profile) a
 torch.profiler table of one `fast` step of the first model, GPU time grouped by part through the
 `model.layers.scope` ranges (backward kernels follow their forward op's range through autograd's sequence
 numbers). Prints the Markdown model table last. Not imported by the library.
@@ -146,14 +147,15 @@ def run_variant(name: str, base: ModelConfig, args, clock: Clock, dtype: torch.d
 # ------------------------------------------------------------------ parts
 def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> list[list[str]]:
     """LM head + loss and the attention core of one layer, alone, at the model's shapes: [label, ms, peak GiB
-    above the inputs]."""
+    above the inputs, TFLOPS of the loss rows' three GEMMs (6·N·H·V)]."""
     dev = clock.device
     n, hidden, vocab = args.micro * args.seq_len, config.hidden_size, config.vocab_size
     g = torch.Generator().manual_seed(1)
     rand = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).to(dev, dtype)  # noqa: E731
     rows = []
 
-    def part(label: str, fn, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None = None) -> None:
+    def part(label: str, fn, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor | None = None,
+             flops: float | None = None) -> None:
         def step():
             for t in inputs:
                 t.grad = None
@@ -162,19 +164,23 @@ def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> 
         step()
         base = clock.reset_peak()
         ms = clock.median_ms(step, args.warmup, args.steps)
-        rows.append([label, f"{ms:.2f}", f"{clock.peak_gib(base):.2f}"])
+        rows.append([label, f"{ms:.2f}", f"{clock.peak_gib(base):.2f}", f"{flops / ms / 1e9:.0f}" if flops else ""])
 
     h, w = rand(n, hidden).requires_grad_(True), rand(vocab, hidden, std=0.02).requires_grad_(True)
     labels = torch.randint(0, vocab, (n,), generator=g).to(dev)
     head = f"LM head + loss ({n} tokens x vocab {vocab})"
-    part(f"{head}: materialised logits, fp32 CE", lambda: cross_entropy(F.linear(h, w), labels), (h, w))
-    part(f"{head}: chunked, eager epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=False), (h, w))
+    flops = 6 * n * hidden * vocab
+    part(f"{head}: materialised logits, fp32 CE", lambda: cross_entropy(F.linear(h, w), labels), (h, w), flops=flops)
+    part(f"{head}: chunked, eager epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=False), (h, w),
+         flops=flops)
     if dev.type == "cuda":
         part(f"{head}: chunked, compiled epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=True),
-             (h, w))
+             (h, w), flops=flops)
     for chunk in args.loss_chunks:  # each chunk size's logits GEMMs and its fp32 dW read-modify-write per chunk
         part(f"{head}: chunks of {chunk} tokens", lambda c=chunk: linear_cross_entropy(h, w, labels, chunk_size=c),
-             (h, w))
+             (h, w), flops=flops)
+    if args.loss_only:
+        return rows
 
     B, T, Hq, Hkv, D = args.micro, args.seq_len, config.num_heads, config.num_kv_heads, config.head_dim
     q, k, v = (rand(B, heads, T, D).requires_grad_(True) for heads in (Hq, Hkv, Hkv))
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--loss-chunks", default="", type=lambda v: [int(c) for c in v.split(",") if c],
                     help="also time the fused LM-head loss at these chunk sizes (tokens), e.g. 1024,2048,4096")
+    ap.add_argument("--loss-only", action="store_true", help="time the LM-head loss rows only, nothing else")
     ap.add_argument("--no-parts", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args(argv)
@@ -243,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_parts:
         rows = bench_parts(configs[models[0]], args, clock, dtype)
         print(f"\n### Parts of {models[0]}, forward + backward\n")
-        print(markdown(["part", "ms", "peak GiB above inputs"], rows), flush=True)
+        print(markdown(["part", "ms", "peak GiB above inputs", "TFLOPS (6·N·H·V)"], rows), flush=True)
+        if args.loss_only:
+            return
     if not args.no_profile:
         rows = profile_table(configs[models[0]], args, clock, dtype)
         unit = "GPU ms" if device.type == "cuda" else "CPU self ms"
