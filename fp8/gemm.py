@@ -34,6 +34,7 @@ from kernels.backend import (
     triton,
     use_triton,
 )
+from kernels.gradient_outputs import check_output
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
@@ -242,9 +243,10 @@ def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int
     return m, n, k
 
 
-def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfig) -> torch.Tensor:
+def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfig,
+            out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    c = torch.empty(m, n, device=a.device, dtype=out_dtype) if out is None else out
     if m == 0 or n == 0:
         return c
     if k == 0:
@@ -300,11 +302,16 @@ def fp8_gemm_wgrad(
     *,
     backend: str | None = None,
     config: GemmConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a·bᵀ [M, N] with both operands 1x128-scaled along the reduction dim: a [M, K] scale [M, KB],
     b [N, K] scale [N, KB] (wgrad: a = dyᵀ [N_out, tokens], b = xᵀ [K_in, tokens]); fp32 output.
-    `config`: the Triton kernel's tiles (default: see the module doc)."""
-    _check_operands(a, a_scale, b, b_scale, b_blockwise=False)
+    `config`: the Triton kernel's tiles (default: see the module doc); `out`: a contiguous [M, N] tensor of
+    out_dtype to write the result into (returned)."""
+    m, n, _ = _check_operands(a, a_scale, b, b_scale, b_blockwise=False)
+    if out is not None:
+        check_output(out, (m, n), out_dtype, a.device)
     if not use_triton(a, backend):
-        return fp8_gemm_wgrad_ref(a, a_scale, b, b_scale, out_dtype)
-    return _launch(a, a_scale, b, b_scale, out_dtype, False, _config(a.shape[0], "wgrad", config, out_dtype))
+        ref = fp8_gemm_wgrad_ref(a, a_scale, b, b_scale, out_dtype)
+        return ref if out is None else out.copy_(ref)
+    return _launch(a, a_scale, b, b_scale, out_dtype, False, _config(a.shape[0], "wgrad", config, out_dtype), out)

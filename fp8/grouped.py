@@ -54,6 +54,7 @@ from fp8.quant import (
 )
 from kernels.backend import HAS_TRITON, cdiv, num_sms, set_descriptor_allocator, tl, tma_compatible, triton, use_triton
 from kernels.fusable import Fusable
+from kernels.gradient_outputs import GRADIENT_OUTPUTS, check_output
 from kernels.rows import gather_rows, gather_rows_ref, sum_rows
 from kernels.tuning import Tuning
 
@@ -640,13 +641,13 @@ def grouped_gemm(
 
 def grouped_gemm_wgrad(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, rows: GroupedRows,
-    out_dtype: torch.dtype = torch.float32, *, backend: str | None = None,
+    out_dtype: torch.dtype = torch.float32, *, backend: str | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Wgrad grouped GEMM: out [G, N, K], out[g] = Σ over expert g's tokens of a[:, t]·b[:, t]ᵀ.
 
     a [N, 128·max_blocks] and b [K, 128·max_blocks] E4M3, block-aligned token-dim operands quantized 1x128 per
     segment (`quantize_tokens_grouped`), scales [N, max_blocks] and [K, max_blocks]. Empty segments give zero
-    matrices."""
+    matrices. `out`: a contiguous [G, N, K] tensor of out_dtype to write the result into (returned)."""
     n, cols = a.shape
     k, cols2 = b.shape
     if a.dtype != E4M3 or b.dtype != E4M3:
@@ -654,11 +655,14 @@ def grouped_gemm_wgrad(
     if cols != rows.max_blocks() * BLOCK or cols2 != cols:
         raise ValueError(f"a [N={n}, {cols}] and b [K={k}, {cols2}] must both have 128·max_blocks = "
                          f"{rows.max_blocks() * BLOCK} token columns (quantize_tokens_grouped's layout)")
-    if not use_triton(a, backend):
-        return grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = GROUPED_TUNING.current().wgrad
     g = rows.num_groups
-    c = torch.empty(g, n, k, device=a.device, dtype=out_dtype)
+    if out is not None:
+        check_output(out, (g, n, k), out_dtype, a.device)
+    if not use_triton(a, backend):
+        ref = grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
+        return ref if out is None else out.copy_(ref)
+    cfg = GROUPED_TUNING.current().wgrad
+    c = torch.empty(g, n, k, device=a.device, dtype=out_dtype) if out is None else out
     if c.numel() == 0:
         return c
     tiles = g * cdiv(n, cfg.block_m) * cdiv(k, cfg.block_n)
@@ -844,6 +848,7 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
         ctx.save_for_backward(h_q, h_s, row_gate, gu_q, gu_s, d_q, d_s, row_src, pos, *wgrad_saved)
         ctx.rows, ctx.pow2, ctx.need_wgrad, ctx.wgrad = rows, pow2, need_wgrad, wgrad
         ctx.dtypes = (x.dtype, topk_weight.dtype, w_gate_up.dtype, w_down.dtype)
+        ctx.weight_ptrs = (w_gate_up.data_ptr(), w_down.data_ptr())  # GRADIENT_OUTPUTS' keys
         return out
 
     @staticmethod
@@ -871,10 +876,13 @@ class _FP8GroupedExpertsFn(torch.autograd.Function):
             xt_q, xt_s = wgrad_saved
             dyt_q, dyt_s = quantize_tokens_grouped(dout, rows, row_src, pow2)
             at_q, at_s = swiglu_quantize_tokens(h_q, h_s, row_gate, rows, pow2)
-            dw_d = grouped_gemm_wgrad(dyt_q, dyt_s, at_q, at_s, rows, out_dtype=d_dtype)
+            gu_ptr, d_ptr = ctx.weight_ptrs  # registered outputs (model.graphs' gradient slab), else new tensors
+            dw_d = grouped_gemm_wgrad(dyt_q, dyt_s, at_q, at_s, rows, out_dtype=d_dtype,
+                                      out=GRADIENT_OUTPUTS.get(d_ptr, d_q.shape, d_dtype, d_q.device))
             del dyt_q, dyt_s, at_q, at_s
             dht_q, dht_s = quantize_tokens_grouped(dh, rows, None, pow2)
-            dw_gu = grouped_gemm_wgrad(dht_q, dht_s, xt_q, xt_s, rows, out_dtype=gu_dtype)
+            dw_gu = grouped_gemm_wgrad(dht_q, dht_s, xt_q, xt_s, rows, out_dtype=gu_dtype,
+                                       out=GRADIENT_OUTPUTS.get(gu_ptr, gu_q.shape, gu_dtype, gu_q.device))
             del dht_q, dht_s
         del dh
         gwt_q, gwt_s = fp8_transpose_128x128(gu_q, gu_s)  # [E, H, 2I]

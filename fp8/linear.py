@@ -64,6 +64,7 @@ from fp8.quant import (
     quantize_128x128_with_transpose,
     quantize_tensorwise,
 )
+from kernels.gradient_outputs import GRADIENT_OUTPUTS
 
 __all__ = ["FP8Linear", "WeightCache", "invalidate_fp8_weight_caches", "weight_caches", "RECIPES",
            "ABLATION_COMPONENTS", "EMULATED"]
@@ -154,6 +155,7 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
         y = fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=x.dtype)
         ctx.save_for_backward(xt_q, xt_s, wt_q, wt_s, _kept_for_dw_check(module, x, need_wgrad))
         ctx.pow2, ctx.x_dtype, ctx.w_dtype = pow2, x.dtype, weight.dtype
+        ctx.weight_key = (weight.data_ptr(), tuple(weight.shape))  # GRADIENT_OUTPUTS' key and dW's shape
         ctx.module = module  # set only while health is being collected
         if module is not None:
             module.health.update(health_stats("act", x, x_q))
@@ -176,7 +178,9 @@ class _BlockwiseFP8Fn(torch.autograd.Function):
         if need_dx:
             dx = fp8_gemm(dy_q, dy_s, wt_q, wt_s, out_dtype=ctx.x_dtype)
         if need_dw:  # fp32 accumulation, rounded once to the weight's dtype in the GEMM's epilogue
-            dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=ctx.w_dtype)
+            ptr, shape = ctx.weight_key  # a registered output (model.graphs' gradient slab), else a new tensor
+            dw = fp8_gemm_wgrad(dyt_q, dyt_s, xt_q, xt_s, out_dtype=ctx.w_dtype,
+                                out=GRADIENT_OUTPUTS.get(ptr, shape, ctx.w_dtype, dy.device))
         if ctx.module is not None:
             if need_dx:
                 ctx.module.health.update(health_stats("grad", dy, dy_q))

@@ -15,9 +15,10 @@ How (`LayerGraphs`; the capture follows `torch.cuda.make_graphed_callables`, wit
   inputs are copied in when they live elsewhere. Outputs are the graph's static tensors (valid until the block
   replays again, i.e. the next micro-batch). Activations live in the graphs too, so each graphed forward's
   backward must come before the next graphed forward; a backward through an overwritten forward is refused.
-- Parameter gradients: every backward graph copies its parameter gradients into one shared slab per dtype,
-  outside the pool, so the pool holds one block's gradients rather than the whole model's (+1 copy of each
-  gradient: ~0.9 GB of traffic per e64 MoE layer and micro-batch, an estimate). They must be consumed before the
+- Parameter gradients: every backward graph leaves its parameter gradients in one shared slab per dtype,
+  outside the pool, so the pool holds one block's gradients rather than the whole model's. The FP8 wgrad GEMMs
+  (experts, FP8Linear) write theirs straight into the slab (`kernels.gradient_outputs`); the others (norms, the
+  router, BF16 GEMMs: all of a BF16 block) are computed in the pool and copied in. They must be consumed before the
   next block's backward replays: DeepSpeed's gradient hooks do so at once (autograd runs AccumulateGrad first);
   without such hooks, a gradient autograd stored by reference is cloned out of the slab before the next replay
   (`_unalias_pending_grads`).
@@ -49,6 +50,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fp8.linear import weight_caches
+from kernels.gradient_outputs import GRADIENT_OUTPUTS
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class _Graph:
     grad_inputs: tuple[torch.Tensor | None, ...] = ()  # static gradients of `inputs` (None: needs none)
     grad_params: tuple[torch.Tensor | None, ...] = ()  # views of the shared slab (None: unused parameter)
     refresh: list[Callable[[], None]] = field(default_factory=list)  # the FP8 weight refreshes
+    copied: int = 0  # gradient elements the backward graph copies into the slab (the FP8 wgrads write it directly)
 
 
 class _Replay(torch.autograd.Function):
@@ -295,19 +298,29 @@ class LayerGraphs:
         wrt = [t for t in (*graph.inputs, *graph.aliases.values()) if t.requires_grad]
         views = [self._slabs[p.dtype][start:start + p.numel()].view_as(p)
                  for p, start in zip(graph.params, _slab_starts(graph.params))]
-        with torch.cuda.graph(graph.bwd, pool=pool):
+        # the FP8 wgrad GEMMs write their weights' gradients straight into the slab (GRADIENT_OUTPUTS); the rest
+        # (norms, the router, BF16 GEMMs) are copied in
+        direct = GRADIENT_OUTPUTS.into({p.data_ptr(): view for p, view in zip(graph.params, views)})
+        with torch.cuda.graph(graph.bwd, pool=pool), direct:
             grads = torch.autograd.grad(outputs, wrt, grads_in, allow_unused=True) if outputs else [None] * len(wrt)
             grads = list(grads)
             n_inputs = sum(t.requires_grad for t in graph.inputs)
             param_grads = grads[n_inputs:]
-            for view, g in zip(views, param_grads):
-                if g is not None:
-                    view.copy_(g)
+            copies = [(view, g) for view, g in zip(views, param_grads) if g is not None and not _same_memory(g, view)]
+            for view, g in copies:
+                view.copy_(g)
             del param_grads
+        graph.copied = sum(view.numel() for view, _ in copies)
+        del copies
         it = iter(grads[:n_inputs])
         graph.grad_inputs = tuple(next(it) if t.requires_grad else None for t in graph.inputs)
         graph.grad_params = tuple(v if g is not None else None for v, g in zip(views, grads[n_inputs:]))
         del grads
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same elements of the same storage (a gradient written into its slab view)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _synchronize() -> None:

@@ -1,7 +1,8 @@
 """GPU checks of `model.cuda_graphs` (model/graphs.py): a graphed model gives the eager model's losses, gradients
 and expert loads over gradient accumulation, after a weight update (the FP8 weight caches refreshed in place) and
 when a step collects FP8 health (the graphs released, the step eager, captured again after); it recaptures when a
-layer falls back to high precision."""
+layer falls back to high precision; the FP8 wgrads write their gradients into the shared slab instead of being
+copied there."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
+from model.moe import GroupedExperts
 from tests.helpers import rel
 
 pytestmark = pytest.mark.gpu
@@ -70,6 +72,26 @@ def test_graphed_model_matches_eager_over_accumulation_and_a_weight_update(preci
     for r in (*eager.routers(), *graphed.routers()):
         r.tokens_per_expert.zero_()
     _check_same(eager, graphed, _micro_batches(eager, batches[:2]), _micro_batches(graphed, batches[:2]))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_only_gradients_without_an_fp8_wgrad_are_copied_into_the_slab(precision):
+    """FP8: the experts' and FP8Linears' weight gradients are written into the slab by their wgrad GEMMs
+    (kernels.gradient_outputs); the norms', the router's and the rest are copied. BF16: everything is copied."""
+    _, graphed = _models(precision, "none")
+    ids = torch.randint(0, 1024, (2, 256), device="cuda")
+    _micro_batches(graphed, [(ids, torch.roll(ids, -1, 1))])
+    assert graphed.graphs._graphs, "the graphed model ran eagerly"
+    for graph in graphed.graphs._graphs:
+        direct = set()
+        if precision == "fp8":
+            for m in graph.block.modules():
+                if isinstance(m, FP8Linear):
+                    direct.add(id(m.weight))
+                if isinstance(m, GroupedExperts):
+                    direct |= {id(m.gate_up_proj), id(m.down_proj)}
+        assert graph.copied == sum(p.numel() for p in graph.params if id(p) not in direct)
+        assert graph.copied < sum(p.numel() for p in graph.params) or precision == "bf16"
 
 
 def _next_step(*models: LingForCausalLM, health: bool) -> None:
