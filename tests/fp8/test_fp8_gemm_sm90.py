@@ -1,0 +1,66 @@
+"""The Hopper Gluon GEMM (fp8/gemm_sm90.py) against the Triton GEMM it replaces on sm_90 (the same bits: the same
+block products promoted by the same fp32 expressions in the same K order) and against a float64 product of the
+dequantized operands. GPU only: Gluon kernels do not run in Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8.gemm import fp8_gemm_ref, fp8_gemm_wgrad_ref
+from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90, sm90_available
+from fp8.quant import quantize_1x128, quantize_128x128
+from tests.helpers import rel
+
+pytestmark = pytest.mark.gpu
+
+# (M, N, K): aligned; an odd number of K blocks (the kernel's unpaired last step); M, N and K tails; one tile;
+# fewer tiles than SMs and more; a shared expert's K = 512
+SHAPES = [(1024, 768, 1024), (1000, 384, 640), (333, 256, 200), (128, 128, 128), (257, 640, 1152), (64, 128, 384),
+          (4096, 2048, 512)]  # fmt: skip
+CONFIGS = [Sm90GemmConfig(), Sm90GemmConfig(stages=3), Sm90GemmConfig(group_m=1, stages=5)]
+
+
+def _needs_sm90():
+    if not torch.cuda.is_available() or not sm90_available(torch.empty(0, device="cuda")):
+        pytest.skip("needs an sm_90 GPU and Triton's Gluon")
+
+
+def _operands(m, n, k, b_blockwise):
+    a, a_s = quantize_1x128(torch.randn(m, k, device="cuda") * 2)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    b, b_s = quantize_128x128(w) if b_blockwise else quantize_1x128(w)
+    return a, a_s, b, b_s
+
+
+def _triton(a, a_s, b, b_s, b_blockwise, out_dtype):
+    from fp8.gemm import _config, _launch  # the Triton kernel itself, whatever fp8_gemm dispatches to
+
+    kind = "fprop" if b_blockwise else "wgrad"
+    return _launch(a, a_s, b, b_s, out_dtype, b_blockwise, _config(a.shape[0], kind, None, out_dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("b_blockwise,out_dtype", [(True, torch.bfloat16), (False, torch.float32),
+                                                   (False, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "3-stages", "5-stages-ungrouped"])
+def test_sm90_gemm_gives_the_triton_kernels_bits(shape, b_blockwise, out_dtype, cfg):
+    _needs_sm90()
+    torch.manual_seed(hash((shape, b_blockwise)) % 2**31)
+    m, n, k = shape
+    a, a_s, b, b_s = _operands(m, n, k, b_blockwise)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)  # every element must be written
+    fp8_gemm_sm90(a, a_s, b, b_s, out_dtype, b_blockwise=b_blockwise, config=cfg, out=out)
+    assert not out.isnan().any()
+    assert torch.equal(out, _triton(a, a_s, b, b_s, b_blockwise, out_dtype))
+    ref = (fp8_gemm_ref if b_blockwise else fp8_gemm_wgrad_ref)(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(),
+                                                                torch.float64)  # fmt: skip
+    # Hopper's FP8 tensor cores accumulate a 128-deep block with ~14 significant bits (tests/fp8/test_fp8_gemm.py)
+    assert rel(out, ref) < (4e-3 if out_dtype == torch.bfloat16 else 5e-4)
+
+
+def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales():
+    _needs_sm90()
+    a, a_s, b, b_s = _operands(128, 256, 128, True)
+    with pytest.raises(ValueError, match="block_n = 128"):
+        fp8_gemm_sm90(a, a_s, b, b_s, config=Sm90GemmConfig(block_n=256))
