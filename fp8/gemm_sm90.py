@@ -1,27 +1,33 @@
-"""Hopper (sm_90) blockwise FP8 GEMM in Gluon: the same maths as `fp8/gemm.py`'s Triton kernel, with the
-per-K-block promotion taken off the tensor cores' critical path.
+"""Hopper (sm_90) blockwise FP8 GEMMs in Gluon: the dense GEMM of `fp8/gemm.py` and the grouped forward/dgrad and
+k-grouped wgrad GEMMs of `fp8/grouped.py`, the same maths, with each K block's promotion taken off the tensor
+cores' critical path.
 
-Why a second kernel: Triton waits for each 128-deep block's wgmma before it promotes the block's product into
-the running sum (acc += part · sa · sb), so the tensor cores idle while the CUDA cores promote; the Triton
-kernel hides that only through a second resident program per SM, with small 64x128 tiles whose operand
-traffic then bounds it. Here the wgmma of block k+1 is issued asynchronously before block k's product is
-promoted (`warpgroup_mma_wait(num_outstanding=1)`: DeepSeek-V3's schedule), with 128x128 tiles: two
-warpgroups, three fp32 [64, 128] register tiles each (the running sum, the product being promoted, the product
-in flight).
+Why a second set of kernels: Triton waits for each 128-deep block's wgmma before it promotes the block's product
+into the running sum (acc += part · sa · sb), so the tensor cores idle while the CUDA cores promote; the Triton
+kernels hide that only through several resident programs per SM, with small 64x128 tiles whose operand traffic
+then bounds them. Here block k's wgmma is issued asynchronously and block k-1's product is promoted while it
+runs (DeepSeek-V3's schedule), with 128x128 tiles: two warpgroups, three fp32 [64, 128] register tiles each (the
+running sum, the product being promoted, the product in flight).
 
-Layout of the work: a persistent grid; each program walks its output tiles (grouped ordering, as the Triton
-kernel) and their K blocks as one flat sequence of (tile, K block) steps, so the TMA loads of the next tile
-start while the current one finishes and a tile's epilogue (bf16 cast, shared memory, TMA store) overlaps the
-next tile's first wgmma. STAGES shared-memory buffers per operand, each filled by TMA and signalled on an
-mbarrier; a buffer is refilled once the wgmma that read it is known complete.
+Layout of the work: a persistent grid; each program walks its output tiles and their K blocks as one flat
+sequence of (tile, K block) steps, so the TMA loads of the next tile start while the current one finishes and a
+tile's epilogue overlaps the next tile's first wgmma. STAGES shared-memory buffers per operand, each filled by
+TMA and signalled on an mbarrier; a buffer is refilled once the wgmma that read it is known complete. The three
+GEMMs differ only in how a tile is decoded (`_decode`, MODE):
+- DENSE: grouped ordering over [M, N]; C by TMA store.
+- GROUPED (forward/dgrad): expert g's row tiles over its segment offsets[g] : offsets[g+1] of A, B as the
+  [G·N, K] rows of the expert weights, a masked store (the rows after a segment are another expert's).
+- WGRAD (k-grouped): work items (expert, row tile, column tile); the K blocks of expert g are its token blocks
+  blocks[g] : blocks[g+1] of the block-aligned operands; C [G·M, N] by TMA store; an expert without tokens
+  gets a zero tile.
 
 Bits: each block's product is 4 chained m64n128k32 wgmmas into a fresh accumulator, promoted by the same fp32
-expressions as `fp8.triton_blocks.promote`, in the same K order: the same output bits as the Triton kernel
+expressions as `fp8.triton_blocks.promote`, in the same K order: the same output bits as the Triton kernels
 (checked by tests/fp8/test_fp8_gemm_sm90.py on the GPU).
 
 Defined only where Triton ships Gluon's Hopper language (`HAS_GLUON`); `sm90_available(t)` says whether the
-kernel can run on a tensor's device. Gluon kernels do not run in Triton's CPU interpreter: the CPU path and
-the interpreter tests keep `fp8/gemm.py`.
+kernels can run on a tensor's device. Gluon kernels do not run in Triton's CPU interpreter: the CPU path and
+the interpreter tests keep the Triton kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ try:  # Gluon is Triton's lower-level language (Triton >= 3.5); absent from CPU-
 except Exception:  # pragma: no cover - depends on the environment
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "SM90_FPROP_CONFIG", "Sm90GemmConfig", "fp8_gemm_sm90", "grouped_gemm_sm90", "sm90_available"]
+__all__ = ["HAS_GLUON", "SM90_FPROP_CONFIG", "Sm90GemmConfig", "fp8_gemm_sm90", "grouped_gemm_sm90",
+           "grouped_gemm_wgrad_sm90", "sm90_available"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +75,9 @@ SM90_FPROP_CONFIG = Sm90GemmConfig()
 def sm90_available(t: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run on t's device: CUDA compute capability 9.x and Gluon installed."""
     return HAS_GLUON and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+
+
+DENSE, GROUPED, WGRAD = 0, 1, 2  # the kernel's MODE
 
 
 if HAS_GLUON:
@@ -97,12 +107,11 @@ if HAS_GLUON:
         return lo
 
     @gluon.jit
-    def _decode(tile, M, N, G, offs_ptr, tiles_ptr, GROUPED: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr):  # fmt: skip
-        """Output tile `tile` → (its first row, the end of the rows it may store, its column block, its expert).
-        Dense: grouped ordering over [M, N]. Grouped: expert g owns tile ids tiles[g]·nN : tiles[g+1]·nN, row
-        tiles fastest; its rows are offs[g] : offs[g+1] (`fp8.grouped.grouped_gemm`'s layout)."""
-        if GROUPED:
+        """Output tile `tile` → (A's first row, the end of the rows it may store, its column block, its expert,
+        its first K block, its number of K blocks). See the module doc for the three MODEs."""
+        if MODE == 1:  # GROUPED: expert g owns tile ids tiles[g]·nN : tiles[g+1]·nN, row tiles fastest
             num_n = gl.cdiv(N, BLOCK_N)
             g = _find_group(tiles_ptr, tile // num_n, G, STEPS)
             t0 = gl.load(tiles_ptr + g)
@@ -111,26 +120,45 @@ if HAS_GLUON:
             pid_n = local // mt
             row0 = gl.load(offs_ptr + g) + (local % mt) * BLOCK_M
             row_end = gl.load(offs_ptr + g + 1)
-        else:
+            kb0 = tile * 0
+            nkb = num_kb + kb0
+        elif MODE == 2:  # WGRAD: (expert, row tile, column tile), column tiles fastest; offs_ptr: token blocks
+            num_n = gl.cdiv(N, BLOCK_N)
+            per_g = gl.cdiv(M, BLOCK_M) * num_n
+            g = gl.minimum(tile // per_g, G - 1)  # clamped past the last tile (the load stream runs ahead)
+            pid_n = tile % num_n
+            row0 = ((tile % per_g) // num_n) * BLOCK_M
+            row_end = M + tile * 0
+            kb0 = gl.load(offs_ptr + g)
+            nkb = gl.load(offs_ptr + g + 1) - kb0
+        else:  # DENSE
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             row0 = pid_m * BLOCK_M
             row_end = M + tile * 0
             g = tile * 0
-        return row0, row_end, pid_n, g
+            kb0 = g
+            nkb = num_kb + g
+        return row0, row_end, pid_n, g, kb0, nkb
 
     @gluon.jit
-    def _next_step(kb, tile, row0, row_end, pid_n, g, M, N, G, num_kb, offs_ptr, tiles_ptr, GROUPED: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr):  # fmt: skip
-        """The step after (tile, K block kb): the next K block, or the first of the program's next tile. Carried
-        from step to step so that the tile's decoding (divisions, the expert search) runs once per tile."""
+    def _next_step(kb, tile, row0, row_end, pid_n, g, kb0, nkb, num_tiles, M, N, G, num_kb, offs_ptr, tiles_ptr,
+                   MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                   STEPS: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+        """The step after (tile, K block kb): the next K block, or the first of the program's next tile with K
+        blocks (WGRAD skips experts without tokens). Carried from step to step so that the tile's decoding
+        (divisions, the expert search) runs once per tile."""
         kb += 1
-        if kb == num_kb:
-            kb = 0
+        if kb == nkb:
+            kb = kb * 0
             tile += NUM_PROGRAMS
-            row0, row_end, pid_n, g = _decode(tile, M, N, G, offs_ptr, tiles_ptr, GROUPED, BLOCK_M, BLOCK_N, GROUP_M,
-                                              STEPS)  # fmt: skip
-        return kb, tile, row0, row_end, pid_n, g
+            row0, row_end, pid_n, g, kb0, nkb = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M,
+                                                        BLOCK_N, GROUP_M, STEPS)  # fmt: skip
+            if MODE == 2:
+                while (nkb == 0) & (tile < num_tiles):
+                    tile += NUM_PROGRAMS
+                    row0, row_end, pid_n, g, kb0, nkb = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE,
+                                                                BLOCK_M, BLOCK_N, GROUP_M, STEPS)  # fmt: skip
+        return kb, tile, row0, row_end, pid_n, g, kb0, nkb
 
     @gluon.jit
     def _a_scale_offsets(row0, M, stride_asm, BLOCK_M: gl.constexpr, mma_layout: gl.constexpr):
@@ -141,7 +169,7 @@ if HAS_GLUON:
     @gluon.jit
     def _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE: gl.constexpr,
                   BLOCK_N: gl.constexpr, mma_layout: gl.constexpr):  # fmt: skip
-        """B's scales of a tile's K block kb: a scalar (128x128 blocks) or [BLOCK_N] (1x128 rows, those past N
+        """B's scales of K block kb of a tile: a scalar (128x128 blocks) or [BLOCK_N] (1x128 rows, those past N
         clamped onto the last). Expanded at every K block: a [BLOCK_N] vector carried across steps costs the
         registers of a spill."""
         base = bs_ptr + g * stride_bsg + kb * stride_bsk
@@ -160,23 +188,29 @@ if HAS_GLUON:
             return acc + (part * gl.expand_dims(sa, 1)) * gl.expand_dims(sb, 0)
 
     @gluon.jit
-    def _issue_load(ld, total, kb, row0, pid_n, g, N, a_desc, b_desc, a_smem, b_smem, ready, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr):  # fmt: skip
-        """TMA loads of step `ld` (A rows row0…, B rows g·N + pid_n·BLOCK_N…, K block kb) into buffer
-        ld % STAGES; none past the program's last step."""
+    def _issue_load(ld, total, kb, row0, pid_n, g, kb0, N, a_desc, b_desc, a_smem, b_smem, ready,
+                    MODE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """TMA loads of step `ld` (A rows row0…, B rows pid_n·BLOCK_N… (GROUPED: of expert g's), K block
+        kb0 + kb) into buffer ld % STAGES; none past the program's last step."""
         if ld < total:
             s = ld % STAGES
             bar = ready.index(s)
+            col = (kb0 + kb) * 128
+            if MODE == 1:
+                b_row = g * N + pid_n * BLOCK_N
+            else:
+                b_row = pid_n * BLOCK_N
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_smem.index(s))
-            tma.async_copy_global_to_shared(b_desc, [g * N + pid_n * BLOCK_N, kb * 128], bar, b_smem.index(s))
+            tma.async_copy_global_to_shared(a_desc, [row0, col], bar, a_smem.index(s))
+            tma.async_copy_global_to_shared(b_desc, [b_row, col], bar, b_smem.index(s))
 
     @gluon.jit
-    def _store_tile(acc, c_ptr, c_desc, c_smem, row0, row_end, pid_n, N, stride_cm, GROUPED: gl.constexpr,
+    def _store_tile(acc, c_ptr, c_desc, c_smem, row0, row_end, pid_n, g, M, N, stride_cm, MODE: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, mma_layout: gl.constexpr):  # fmt: skip
-        """Dense: cast, into shared memory (once the previous TMA store has read it), TMA store (clipped at M
-        and N). Grouped: a masked store of the rows before row_end (the next rows are another expert's)."""
-        if GROUPED:
+        """DENSE / WGRAD: cast, into shared memory (once the previous TMA store has read it), TMA store (clipped
+        at the edges; WGRAD at rows g·M + row0 of C's [G·M, N] view). GROUPED: a masked store of the rows before
+        row_end (the next rows are another expert's)."""
+        if MODE == 1:
             rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
             cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
             ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
@@ -186,17 +220,17 @@ if HAS_GLUON:
             tma.store_wait(0)
             c_smem.store(acc.to(c_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+            tma.async_copy_shared_to_global(c_desc, [g * M + row0, pid_n * BLOCK_N], c_smem)
 
     @gluon.jit
-    def _mma_step(step, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn,
-                  kb, tile, row0, row_end, pid_n, g, sa_offs,
-                  ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g,
-                  zero, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, offs_ptr,
-                  tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
-                  B_BLOCKWISE: gl.constexpr, GROUPED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  GROUP_M: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                  mma_layout: gl.constexpr):  # fmt: skip
+    def _mma_step(step, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g,
+                  kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
+                  ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
+                  zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr,
+                  offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
+                  stride_bsk, B_BLOCKWISE: gl.constexpr, MODE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
+                  NUM_PROGRAMS: gl.constexpr, mma_layout: gl.constexpr):  # fmt: skip
         """One step (K block kb of `tile`): refill the buffer of step - 1 (its wgmma is complete) with step
         `ld` = step + STAGES - 1, issue this step's wgmma and, while it runs, promote step - 1's product `prev`
         and store step - 1's tile if this step starts a new one; then wait for the wgmma. Returns the carried
@@ -205,45 +239,48 @@ if HAS_GLUON:
         The wait comes after the promotion instead of letting the wgmma run on into the next step: ptxas
         serializes every wgmma of a kernel in which registers that a later wgmma writes are read while an earlier
         one is in flight (C7514), which a product carried in flight from one step to the next is."""
-        _issue_load(ld, total, ld_kb, ld_r0, ld_pn, ld_g, N, a_desc, b_desc, a_smem, b_smem, ready, BLOCK_N, STAGES)
-        ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g = _next_step(
-            ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, M, N, G, num_kb, offs_ptr, tiles_ptr, GROUPED, BLOCK_M,
-            BLOCK_N, GROUP_M, STEPS, NUM_PROGRAMS)  # fmt: skip
+        _issue_load(ld, total, ld_kb, ld_r0, ld_pn, ld_g, ld_kb0, N, a_desc, b_desc, a_smem, b_smem, ready, MODE,
+                    BLOCK_N, STAGES)  # fmt: skip
+        ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb = _next_step(
+            ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb, num_tiles, M, N, G, num_kb, offs_ptr,
+            tiles_ptr, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, NUM_PROGRAMS)  # fmt: skip
         s = step % STAGES
         mbarrier.wait(ready.index(s), (step // STAGES) & 1)
         cur = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
         if kb == 0:  # step - 1 was its tile's last K block
-            _store_tile(acc, c_ptr, c_desc, c_smem, prev_r0, prev_re, prev_pn, N, stride_cm, GROUPED, BLOCK_M,
-                        BLOCK_N, mma_layout)  # fmt: skip
+            _store_tile(acc, c_ptr, c_desc, c_smem, prev_r0, prev_re, prev_pn, prev_g, M, N, stride_cm, MODE,
+                        BLOCK_M, BLOCK_N, mma_layout)  # fmt: skip
             acc = zero
         # this step's scales, loaded after the promotion so that two sets of B's row scales are never live
-        sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
-        sb = _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N, mma_layout)
+        sa = gl.load(as_ptr + sa_offs + (kb0 + kb) * stride_ask)
+        sb = _b_scales(bs_ptr, g, pid_n, kb0 + kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
+                       mma_layout)  # fmt: skip
         cur = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
         prev_r0 = row0
         prev_re = row_end
         prev_pn = pid_n
-        kb, tile, row0, row_end, pid_n, g = _next_step(kb, tile, row0, row_end, pid_n, g, M, N, G, num_kb, offs_ptr,
-                                                       tiles_ptr, GROUPED, BLOCK_M, BLOCK_N, GROUP_M, STEPS,
-                                                       NUM_PROGRAMS)  # fmt: skip
+        prev_g = g
+        kb, tile, row0, row_end, pid_n, g, kb0, nkb = _next_step(
+            kb, tile, row0, row_end, pid_n, g, kb0, nkb, num_tiles, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE,
+            BLOCK_M, BLOCK_N, GROUP_M, STEPS, NUM_PROGRAMS)  # fmt: skip
         if kb == 0:
             sa_offs = _a_scale_offsets(row0, M, stride_asm, BLOCK_M, mma_layout)
-        return (acc, cur, sa, sb, prev_r0, prev_re, prev_pn, kb, tile, row0, row_end, pid_n, g, sa_offs,
-                ld + 1, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g)  # fmt: skip
+        return (acc, cur, sa, sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g, kb0, nkb,
+                sa_offs, ld + 1, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb)  # fmt: skip
 
     @gluon.jit
     def _fp8_gemm_sm90_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr,
-        M, N, K, G,
+        M, N, K, G, B_ROWS, C_ROWS,
         stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
-        B_BLOCKWISE: gl.constexpr, GROUPED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        B_BLOCKWISE: gl.constexpr, MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         GROUP_M: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
-        """C [M, N] = Σ_kb (A[:, kb] · B[:, kb]ᵀ) · sa[:, kb] · sb[kb] (see the module doc); grouped: C[seg g] =
-        A[seg g] · B[g]ᵀ with B as its [G·N, K] rows. A and B E4M3 with unit inner strides; K tails are
-        zero-filled by TMA."""
+        """C = Σ over K blocks of (A · Bᵀ) per block, scaled and promoted in fp32 (see the module doc for the
+        MODEs). A [M, K] and B [B_ROWS, K] E4M3 with unit inner strides (K tails are zero-filled by TMA); C has
+        C_ROWS rows of N columns."""
         BLOCK_K: gl.constexpr = 128
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
@@ -251,8 +288,8 @@ if HAS_GLUON:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 32])  # fmt: skip
         a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K], a_layout)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [G * N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], b_layout)
-        c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N], c_layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [B_ROWS, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], b_layout)
+        c_desc = tma.make_tensor_descriptor(c_ptr, [C_ROWS, N], [stride_cm, 1], [BLOCK_M, BLOCK_N], c_layout)
 
         a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, BLOCK_K], a_layout)
         b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, BLOCK_K], b_layout)
@@ -261,91 +298,120 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
 
-        if GROUPED:
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
+        num_kb = gl.cdiv(K, BLOCK_K)
+        pid = gl.program_id(0)
+        if MODE == 1:
             num_tiles = gl.load(tiles_ptr + G) * gl.cdiv(N, BLOCK_N)
+        elif MODE == 2:
+            num_tiles = G * gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
         else:
             num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        num_kb = gl.cdiv(K, BLOCK_K)
-        # this program's (tile, K block) steps; none for a program past the (grouped: device-side) tile count
-        total = gl.maximum(gl.cdiv(num_tiles - gl.program_id(0), NUM_PROGRAMS), 0) * num_kb
+        # this program's (tile, K block) steps; none for a program past the (GROUPED: device-side) tile count
+        if MODE == 2:  # K blocks vary by expert: count them, and give the experts without tokens zero tiles
+            total = pid * 0
+            for t in range(pid, num_tiles, NUM_PROGRAMS):
+                r0, re, pn, gg, k0, nk = _decode(t, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M, BLOCK_N,
+                                                 GROUP_M, STEPS)  # fmt: skip
+                total += nk
+                if nk == 0:
+                    _store_tile(zero, c_ptr, c_desc, c_smem, r0, re, pn, gg, M, N, stride_cm, MODE, BLOCK_M,
+                                BLOCK_N, mma_layout)  # fmt: skip
+        else:
+            total = gl.maximum(gl.cdiv(num_tiles - pid, NUM_PROGRAMS), 0) * num_kb
         if total > 0:
+            # the first tile with K blocks
+            tile = pid
+            row0, row_end, pid_n, g, kb0, nkb = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M,
+                                                        BLOCK_N, GROUP_M, STEPS)  # fmt: skip
+            if MODE == 2:
+                while nkb == 0:
+                    tile += NUM_PROGRAMS
+                    row0, row_end, pid_n, g, kb0, nkb = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE,
+                                                                BLOCK_M, BLOCK_N, GROUP_M, STEPS)  # fmt: skip
+            kb = tile * 0
             # the load stream runs STAGES - 1 steps ahead of the wgmmas
-            ld_tile = gl.program_id(0)
-            ld_r0, ld_re, ld_pn, ld_g = _decode(ld_tile, M, N, G, offs_ptr, tiles_ptr, GROUPED, BLOCK_M, BLOCK_N,
-                                                GROUP_M, STEPS)  # fmt: skip
-            ld_kb = ld_tile * 0
+            ld_kb = kb
+            ld_tile = tile
+            ld_r0 = row0
+            ld_re = row_end
+            ld_pn = pid_n
+            ld_g = g
+            ld_kb0 = kb0
+            ld_nkb = nkb
             for ld in gl.static_range(STAGES - 1):
-                _issue_load(ld, total, ld_kb, ld_r0, ld_pn, ld_g, N, a_desc, b_desc, a_smem, b_smem, ready, BLOCK_N,
-                            STAGES)  # fmt: skip
-                ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g = _next_step(
-                    ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, M, N, G, num_kb, offs_ptr, tiles_ptr, GROUPED, BLOCK_M,
-                    BLOCK_N, GROUP_M, STEPS, NUM_PROGRAMS)  # fmt: skip
+                _issue_load(ld, total, ld_kb, ld_r0, ld_pn, ld_g, ld_kb0, N, a_desc, b_desc, a_smem, b_smem, ready,
+                            MODE, BLOCK_N, STAGES)  # fmt: skip
+                ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb = _next_step(
+                    ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb, num_tiles, M, N, G, num_kb, offs_ptr,
+                    tiles_ptr, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, NUM_PROGRAMS)  # fmt: skip
 
-            # step 0 (the first K block of the first tile), complete before the loop; step 1 promotes it
-            tile = gl.program_id(0)
-            row0, row_end, pid_n, g = _decode(tile, M, N, G, offs_ptr, tiles_ptr, GROUPED, BLOCK_M, BLOCK_N, GROUP_M,
-                                              STEPS)  # fmt: skip
+            # step 0, complete before the loop; step 1 promotes it
             sa_offs = _a_scale_offsets(row0, M, stride_asm, BLOCK_M, mma_layout)
-            zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
             mbarrier.wait(ready.index(0), 0)
             prev = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), zero, use_acc=False)
-            prev_sa = gl.load(as_ptr + sa_offs)
-            prev_sb = _b_scales(bs_ptr, g, pid_n, 0, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
+            prev_sa = gl.load(as_ptr + sa_offs + kb0 * stride_ask)
+            prev_sb = _b_scales(bs_ptr, g, pid_n, kb0, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
                                 mma_layout)  # fmt: skip
             prev_r0 = row0
             prev_re = row_end
             prev_pn = pid_n
-            kb, tile, row0, row_end, pid_n, g = _next_step(tile * 0, tile, row0, row_end, pid_n, g, M, N, G, num_kb,
-                                                           offs_ptr, tiles_ptr, GROUPED, BLOCK_M, BLOCK_N, GROUP_M,
-                                                           STEPS, NUM_PROGRAMS)  # fmt: skip
+            prev_g = g
+            kb, tile, row0, row_end, pid_n, g, kb0, nkb = _next_step(
+                kb, tile, row0, row_end, pid_n, g, kb0, nkb, num_tiles, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE,
+                BLOCK_M, BLOCK_N, GROUP_M, STEPS, NUM_PROGRAMS)  # fmt: skip
             if kb == 0:
                 sa_offs = _a_scale_offsets(row0, M, stride_asm, BLOCK_M, mma_layout)
             acc = zero
-            ld = tile * 0 + (STAGES - 1)
+            ld = kb * 0 + (STAGES - 1)
             # Two steps per iteration, so that the products alternate between two register tiles instead of
             # being copied from one to the other at every step.
             pairs_end = 1 + ((total - 1) // 2) * 2
             for step in range(1, pairs_end, 2):
-                (acc, cur, sa, sb, prev_r0, prev_re, prev_pn, kb, tile, row0, row_end, pid_n, g, sa_offs,
-                 ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g) = _mma_step(
-                    step, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn,
-                    kb, tile, row0, row_end, pid_n, g, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g,
-                    zero, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, offs_ptr,
-                    tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
-                    B_BLOCKWISE, GROUPED, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
+                (acc, cur, sa, sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g, kb0, nkb,
+                 sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
+                    step, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g,
+                    kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
+                    ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
+                    zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr,
+                    offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
+                    stride_bsk, B_BLOCKWISE, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
                     mma_layout)  # fmt: skip
-                (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, kb, tile, row0, row_end, pid_n, g, sa_offs,
-                 ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g) = _mma_step(
-                    step + 1, total, acc, cur, sa, sb, prev_r0, prev_re, prev_pn,
-                    kb, tile, row0, row_end, pid_n, g, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g,
-                    zero, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, offs_ptr,
-                    tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
-                    B_BLOCKWISE, GROUPED, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
+                (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g,
+                 kb0, nkb, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
+                    step + 1, total, acc, cur, sa, sb, prev_r0, prev_re, prev_pn, prev_g,
+                    kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
+                    ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
+                    zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr,
+                    offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
+                    stride_bsk, B_BLOCKWISE, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
                     mma_layout)  # fmt: skip
             if pairs_end < total:  # an odd step count: the last step
-                (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, kb, tile, row0, row_end, pid_n, g, sa_offs,
-                 ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g) = _mma_step(
-                    pairs_end, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn,
-                    kb, tile, row0, row_end, pid_n, g, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g,
-                    zero, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr, offs_ptr,
-                    tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
-                    B_BLOCKWISE, GROUPED, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
+                (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g,
+                 kb0, nkb, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
+                    pairs_end, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g,
+                    kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
+                    ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
+                    zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr,
+                    offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
+                    stride_bsk, B_BLOCKWISE, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
                     mma_layout)  # fmt: skip
             acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
-            _store_tile(acc, c_ptr, c_desc, c_smem, prev_r0, prev_re, prev_pn, N, stride_cm, GROUPED, BLOCK_M,
-                        BLOCK_N, mma_layout)  # fmt: skip
-            tma.store_wait(0)
+            _store_tile(acc, c_ptr, c_desc, c_smem, prev_r0, prev_re, prev_pn, prev_g, M, N, stride_cm, MODE,
+                        BLOCK_M, BLOCK_N, mma_layout)  # fmt: skip
+        tma.store_wait(0)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
 
 
-def _launch(a, a_scale, b2, b_scale, c, offsets, tiles, m, n, k, g, b_blockwise: bool, grouped: bool,
-            progs: int, config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
+def _launch(a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
+            config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
+    """a [M, K], b2 [B_ROWS, K] and c2 [C_ROWS, N]: the 2-D views the kernel's TMA descriptors read and write."""
     set_descriptor_allocator()
     _fp8_gemm_sm90_kernel[(progs,)](
-        a, b2, c, a_scale, b_scale, offsets, tiles, m, n, k, g,
-        a.stride(0), b2.stride(0), c.stride(0), a_scale.stride(0), a_scale.stride(1), *b_scale_strides,
-        B_BLOCKWISE=b_blockwise, GROUPED=grouped, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], c2.shape[0],
+        a.stride(0), b2.stride(0), c2.stride(0), a_scale.stride(0), a_scale.stride(1), *b_scale_strides,
+        B_BLOCKWISE=b_blockwise, MODE=mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_M=config.group_m, STEPS=max(1, (max(g, 2) - 1).bit_length()), STAGES=config.stages,
         NUM_PROGRAMS=progs, num_warps=config.num_warps,
     )  # fmt: skip
@@ -374,9 +440,8 @@ def fp8_gemm_sm90(
         return c.zero_()
     if b_blockwise and config.block_n != 128:
         raise ValueError("the 128x128-scaled B needs block_n = 128 (one scale per tile and K block)")
-    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
-    progs = min(tiles, num_sms(a.device) * config.programs_per_sm)
-    _launch(a, a_scale, b, b_scale, c, a_scale, a_scale, m, n, k, 1, b_blockwise, False, progs, config,
+    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device) * config.programs_per_sm)
+    _launch(a, b, c, a_scale, b_scale, a_scale, a_scale, m, n, k, 1, b_blockwise, DENSE, progs, config,
             (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
     return c
 
@@ -400,10 +465,36 @@ def grouped_gemm_sm90(
     segments are left unwritten."""
     m, k = a.shape
     g, n, _ = b.shape
-    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if config.block_n != 128 or n % config.block_n:
         raise ValueError(f"the grouped kernel needs block_n = 128 dividing N, got {config.block_n} and N={n}")
+    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     progs = max(1, min(max_tiles, num_sms(a.device) * config.programs_per_sm))
-    _launch(a, a_scale, b.view(g * n, k), b_scale, c, offsets, tiles, m, n, k, g, True, True, progs, config,
+    _launch(a, b.view(g * n, k), c, a_scale, b_scale, offsets, tiles, m, n, k, g, True, GROUPED, progs, config,
             (b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)))  # fmt: skip
     return c
+
+
+def grouped_gemm_wgrad_sm90(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    blocks: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    config: Sm90GemmConfig = SM90_FPROP_CONFIG,
+) -> torch.Tensor:
+    """k-grouped wgrad by the Gluon kernel: out[g] = Σ over expert g's token blocks blocks[g] : blocks[g+1] of
+    a[:, block]·b[:, block]ᵀ, for the block-aligned token-dim operands a [N, 128·nb], b [K, 128·nb] with 1x128
+    scales [N, nb], [K, nb] (`fp8.grouped.quantize_tokens_grouped`) into out [G, N, K] (contiguous; an expert
+    without tokens gets zeros). N must be a multiple of block_m (a tile's rows stay inside one expert's)."""
+    n, cols = a.shape
+    k = b.shape[0]
+    g = out.shape[0]
+    if n % config.block_m:
+        raise ValueError(f"the wgrad kernel needs block_m = {config.block_m} dividing N, got N={n}")
+    tiles = g * cdiv(n, config.block_m) * cdiv(k, config.block_n)
+    progs = max(1, min(tiles, num_sms(a.device) * config.programs_per_sm))
+    _launch(a, b, out.view(g * n, k), a_scale, b_scale, blocks, blocks, n, k, cols, g, False, WGRAD, progs, config,
+            (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
+    return out
