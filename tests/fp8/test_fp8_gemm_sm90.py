@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from fp8.gemm import fp8_gemm_ref, fp8_gemm_wgrad_ref
-from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90, sm90_available
-from fp8.quant import quantize_1x128, quantize_128x128
-from tests.helpers import rel
+from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
+from fp8.grouped import grouped_gemm, grouped_gemm_wgrad, quantize_expert_weights, quantize_tokens_grouped
+from fp8.quant import fp8_transpose_128x128, quantize_1x128, quantize_128x128
+from tests.helpers import data_rows, layout, rel
 
 pytestmark = pytest.mark.gpu
 
@@ -64,3 +65,50 @@ def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales():
     a, a_s, b, b_s = _operands(128, 256, 128, True)
     with pytest.raises(ValueError, match="block_n = 128"):
         fp8_gemm_sm90(a, a_s, b, b_s, config=Sm90GemmConfig(block_n=256))
+
+
+# segment lengths: empty experts, ones shorter than a tile, one over two 128-row tiles (tests/fp8/test_fp8_grouped.py)
+LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+@pytest.mark.parametrize("n,k", [(256, 384), (128, 1024)])
+def test_sm90_grouped_gemm_gives_the_triton_kernels_bits(alignment, n, k):
+    _needs_sm90()
+    torch.manual_seed(alignment + n)
+    rows, segs = layout(LENGTHS, alignment, "cuda")
+    g = len(LENGTHS)
+    x_q, x_s = quantize_1x128(data_rows(segs, rows.num_rows, k, "cuda", 2.0))
+    w_q, w_s = quantize_expert_weights(torch.randn(g, n, k, device="cuda") * 0.02)
+    cfg = Sm90GemmConfig()
+    out = grouped_gemm_sm90(x_q, x_s, w_q, w_s, rows.offsets, rows.block_offsets(cfg.block_m),
+                            rows.max_blocks(cfg.block_m) * (n // cfg.block_n), config=cfg)  # fmt: skip
+    ref = grouped_gemm(x_q, x_s, w_q, w_s, rows)
+    for lo, hi in segs:  # every data row of every segment
+        assert torch.equal(out[lo:hi], ref[lo:hi])
+    # dgrad: the on-demand transposed weights, made contiguous as the caller does
+    dy_q, dy_s = quantize_1x128(data_rows(segs, rows.num_rows, n, "cuda"))
+    wt_q, wt_s = fp8_transpose_128x128(w_q, w_s)
+    dx = grouped_gemm_sm90(dy_q, dy_s, wt_q.contiguous(), wt_s, rows.offsets, rows.block_offsets(cfg.block_m),
+                           rows.max_blocks(cfg.block_m) * (k // cfg.block_n), torch.float32, config=cfg)  # fmt: skip
+    ref_dx = grouped_gemm(dy_q, dy_s, wt_q, wt_s, rows, out_dtype=torch.float32)
+    for lo, hi in segs:
+        assert torch.equal(dx[lo:hi], ref_dx[lo:hi])
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(256, 128), (128, 384)])
+def test_sm90_grouped_wgrad_gives_the_triton_kernels_bits(alignment, out_dtype, n, k):
+    """Every expert's gradient, the empty experts' exact zeros included (the output starts as NaN)."""
+    _needs_sm90()
+    torch.manual_seed(alignment + k)
+    rows, segs = layout(LENGTHS, alignment, "cuda")
+    dyt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, n, "cuda"), rows)
+    xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, k, "cuda", 3.0), rows)
+    out = torch.full((len(LENGTHS), n, k), float("nan"), device="cuda", dtype=out_dtype)
+    grouped_gemm_wgrad_sm90(*dyt, *xt, rows.block_offsets(), out)
+    assert torch.equal(out, grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=out_dtype))
+    for e, (lo, hi) in enumerate(segs):
+        if hi == lo:
+            assert torch.equal(out[e], torch.zeros_like(out[e]))
