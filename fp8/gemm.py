@@ -10,9 +10,12 @@ each 128-wide K block is multiplied on the tensor cores into a fresh fp32 accumu
 into the running fp32 sum with both scales applied in fp32 (DeepSeek-V3's per-block promotion); the output is
 cast once at the end. Tails in M, N and K are masked (K tails load zeros, which add nothing).
 
-Tiles: `default_gemm_config(m, kind, out_dtype)` picks a `GemmConfig` per GEMM kind ("fprop": forward and dgrad;
-"wgrad", whose fp32 outputs get their own tiles); `config=` on a call, or `GEMM_TUNING.override(fprop=...,
-wgrad=...)` around a block of calls (e.g. through `FP8Linear`), forces one.
+Kernels: on an sm_90 GPU the Hopper Gluon kernel of `fp8/gemm_sm90.py` (the same bits, the promotion overlapped
+with the next block's wgmma; `GemmChoice.sm90` its tiles, None to turn it off); elsewhere, for small M or
+operands TMA cannot read, the Triton kernel here. Its tiles: `default_gemm_config(m, kind, out_dtype)` picks a
+`GemmConfig` per GEMM kind ("fprop": forward and dgrad; "wgrad", whose fp32 outputs get their own tiles).
+`config=` on a call, or `GEMM_TUNING.override(fprop=..., wgrad=..., sm90=...)` around a block of calls (e.g.
+through `FP8Linear`), forces one (a `GemmConfig` forces the Triton kernel, a `Sm90GemmConfig` the Gluon one).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 import torch
 
 from fp8.format import BLOCK, E4M3
+from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig, fp8_gemm_sm90, sm90_available
 from fp8.quant import dequantize_1x128, dequantize_128x128
 from kernels.backend import (
     HAS_TRITON,
@@ -99,18 +103,31 @@ def default_gemm_config(m: int, kind: str, out_dtype: torch.dtype = torch.bfloat
 
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
-    """A config forced on every GEMM of a kind, whatever its shape; None: `default_gemm_config`."""
+    """A config forced on every GEMM of a kind, whatever its shape (a Triton `GemmConfig` or the Hopper Gluon
+    kernel's `Sm90GemmConfig`); None: the default. `sm90`: the Gluon kernel's tiles, the default on sm_90 GPUs
+    for operands it can read (None: the Triton kernel everywhere)."""
 
-    fprop: GemmConfig | None = None  # forward and dgrad
-    wgrad: GemmConfig | None = None
+    fprop: GemmConfig | Sm90GemmConfig | None = None  # forward and dgrad
+    wgrad: GemmConfig | Sm90GemmConfig | None = None
+    sm90: Sm90GemmConfig | None = SM90_CONFIG
 
 
 GEMM_TUNING: Tuning[GemmChoice] = Tuning("fp8.gemm", GemmChoice())
+AnyGemmConfig = GemmConfig | Sm90GemmConfig
 
 
-def _config(m: int, kind: str, config: GemmConfig | None, out_dtype: torch.dtype) -> GemmConfig:
-    """The call's `config`, else the kind's forced config of GEMM_TUNING, else the default for the shape."""
-    return config or getattr(GEMM_TUNING.current(), kind) or default_gemm_config(m, kind, out_dtype)
+def _config(a: torch.Tensor, b: torch.Tensor, kind: str, config: AnyGemmConfig | None,
+            out_dtype: torch.dtype) -> AnyGemmConfig:  # fmt: skip
+    """The call's `config`, else the kind's forced config of GEMM_TUNING, else the Gluon kernel on an sm_90 GPU
+    for TMA-readable operands of more than SMALL_M_ROWS rows, else the Triton default for the shape."""
+    choice = GEMM_TUNING.current()
+    forced = config or getattr(choice, kind)
+    if forced is not None:
+        return forced
+    m = a.shape[0]
+    if choice.sm90 is not None and m > SMALL_M_ROWS and sm90_available(a) and tma_compatible(a, b):
+        return choice.sm90
+    return default_gemm_config(m, kind, out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -243,7 +260,7 @@ def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int
     return m, n, k
 
 
-def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfig,
+def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: AnyGemmConfig,
             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     c = torch.empty(m, n, device=a.device, dtype=out_dtype) if out is None else out
@@ -251,6 +268,10 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: GemmConfi
         return c
     if k == 0:
         return c.zero_()
+    if isinstance(cfg, Sm90GemmConfig):
+        if tma_compatible(a, b, c):
+            return fp8_gemm_sm90(a, a_scale, b, b_scale, out_dtype, b_blockwise=b_blockwise, config=cfg, out=c)
+        cfg = default_gemm_config(m, "fprop" if b_blockwise else "wgrad", out_dtype)  # an output TMA cannot write
     if cfg.tma and tma_compatible(a, b, c):
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
         progs = min(tiles, num_sms(a.device) * cfg.programs_per_sm) if cfg.persistent else tiles
@@ -282,7 +303,7 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     backend: str | None = None,
-    config: GemmConfig | None = None,
+    config: AnyGemmConfig | None = None,
 ) -> torch.Tensor:
     """a·bᵀ [M, N] in out_dtype: a [M, K] E4M3 with 1x128 scales [M, ceil(K/128)] (any strides),
     b [N, K] E4M3 with 128x128 scales [ceil(N/128), ceil(K/128)]; fp32 accumulation, scales per K block.
@@ -290,7 +311,7 @@ def fp8_gemm(
     _check_operands(a, a_scale, b, b_scale, b_blockwise=True)
     if not use_triton(a, backend):
         return fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
-    return _launch(a, a_scale, b, b_scale, out_dtype, True, _config(a.shape[0], "fprop", config, out_dtype))
+    return _launch(a, a_scale, b, b_scale, out_dtype, True, _config(a, b, "fprop", config, out_dtype))
 
 
 def fp8_gemm_wgrad(
@@ -301,7 +322,7 @@ def fp8_gemm_wgrad(
     out_dtype: torch.dtype = torch.float32,
     *,
     backend: str | None = None,
-    config: GemmConfig | None = None,
+    config: AnyGemmConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a·bᵀ [M, N] with both operands 1x128-scaled along the reduction dim: a [M, K] scale [M, KB],
@@ -314,4 +335,4 @@ def fp8_gemm_wgrad(
     if not use_triton(a, backend):
         ref = fp8_gemm_wgrad_ref(a, a_scale, b, b_scale, out_dtype)
         return ref if out is None else out.copy_(ref)
-    return _launch(a, a_scale, b, b_scale, out_dtype, False, _config(a.shape[0], "wgrad", config, out_dtype), out)
+    return _launch(a, a_scale, b, b_scale, out_dtype, False, _config(a, b, "wgrad", config, out_dtype), out)

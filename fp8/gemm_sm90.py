@@ -53,7 +53,7 @@ try:  # Gluon is Triton's lower-level language (Triton >= 3.5); absent from CPU-
 except Exception:  # pragma: no cover - depends on the environment
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "SM90_FPROP_CONFIG", "Sm90GemmConfig", "fp8_gemm_sm90", "grouped_gemm_sm90",
+__all__ = ["HAS_GLUON", "SM90_CONFIG", "Sm90GemmConfig", "fp8_gemm_sm90", "grouped_gemm_sm90",
            "grouped_gemm_wgrad_sm90", "sm90_available"]
 
 
@@ -69,7 +69,7 @@ class Sm90GemmConfig:
     programs_per_sm: int = 1
 
 
-SM90_FPROP_CONFIG = Sm90GemmConfig()
+SM90_CONFIG = Sm90GemmConfig()  # the tiles of every GEMM it runs (the defaults above)
 
 
 def sm90_available(t: torch.Tensor) -> bool:
@@ -425,7 +425,7 @@ def fp8_gemm_sm90(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     b_blockwise: bool = True,
-    config: Sm90GemmConfig = SM90_FPROP_CONFIG,
+    config: Sm90GemmConfig = SM90_CONFIG,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """a·bᵀ [M, N] by the Gluon kernel: a [M, K] E4M3 with 1x128 scales [M, KB]; b [N, K] E4M3 with 128x128
@@ -456,7 +456,7 @@ def grouped_gemm_sm90(
     max_tiles: int,
     out_dtype: torch.dtype = torch.bfloat16,
     *,
-    config: Sm90GemmConfig = SM90_FPROP_CONFIG,
+    config: Sm90GemmConfig = SM90_CONFIG,
 ) -> torch.Tensor:
     """Grouped forward / dgrad by the Gluon kernel: out[seg g] = a[seg g]·b[g]ᵀ for a [M, K] (1x128 scales) and
     b [G, N, K] contiguous with 128x128 scales [G, NB, KB]; segment g is rows offsets[g] : offsets[g+1] and owns
@@ -482,7 +482,7 @@ def grouped_gemm_wgrad_sm90(
     blocks: torch.Tensor,
     out: torch.Tensor,
     *,
-    config: Sm90GemmConfig = SM90_FPROP_CONFIG,
+    config: Sm90GemmConfig = SM90_CONFIG,
 ) -> torch.Tensor:
     """k-grouped wgrad by the Gluon kernel: out[g] = Σ over expert g's token blocks blocks[g] : blocks[g+1] of
     a[:, block]·b[:, block]ᵀ, for the block-aligned token-dim operands a [N, 128·nb], b [K, 128·nb] with 1x128

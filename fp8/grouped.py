@@ -32,8 +32,13 @@ accumulation): dW_down[e] = Σ dy_rᵀ a_r and dW_gate_up[e] = Σ dh_rᵀ x_r ov
 from the FP8 h in the activations' dtype (`swiglu_output`). The forward then saves the tokens x [T, H] in their
 own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-dim quantization runs at all.
 
-Launch configuration: `GroupedConfig` (the GEMM tiles per kind and the SwiGLU kernels' row blocks), its default
-beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...))` forces another inside a block.
+Kernels: on an sm_90 GPU the three GEMMs run the Hopper Gluon kernel of `fp8/gemm_sm90.py` (the same bits, each
+K block's promotion overlapped with the next block's wgmma) where its tiles fit (N a multiple of 128) and TMA can
+read the operands; elsewhere the Triton kernels here.
+
+Launch configuration: `GroupedConfig` (the Gluon tiles, the Triton GEMM tiles per kind and the SwiGLU kernels' row
+blocks), its default beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...), sm90=None)` forces
+other Triton tiles inside a block (sm90=None: the Triton GEMMs on sm_90 too).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8.format import BLOCK, E4M3
+from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
 from fp8.quant import (
     dequantize_1x128,
     dequantize_128x128,
@@ -579,6 +585,7 @@ class GroupedConfig:
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
+    sm90: Sm90GemmConfig | None = SM90_CONFIG  # on sm_90 GPUs: the Gluon GEMMs' tiles (None: the Triton ones)
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
     tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
@@ -589,6 +596,7 @@ GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
     "fp8.grouped",
     GroupedConfig(),
     interpreter=GroupedConfig(  # small tiles keep Triton's CPU interpreter fast
+        sm90=None,
         fprop=GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
         wgrad=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
     ),
@@ -616,10 +624,17 @@ def grouped_gemm(
     _check_rows(rows, m, "a")
     if not use_triton(a, backend):
         return grouped_gemm_ref(a, a_scale, b, b_scale, rows, out_dtype)
-    cfg = GROUPED_TUNING.current().fprop
-    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    tuning = GROUPED_TUNING.current()
+    cfg = tuning.fprop
     if m == 0 or n == 0 or k == 0:
-        return c.zero_()
+        return torch.zeros(m, n, device=a.device, dtype=out_dtype)
+    sm90 = tuning.sm90
+    if sm90 is not None and n % sm90.block_n == 0 and sm90_available(a):
+        b2 = b if b.is_contiguous() else b.contiguous()  # TMA reads [G·N, K] rows
+        if tma_compatible(a, b2):
+            return grouped_gemm_sm90(a, a_scale, b2, b_scale, rows.offsets, rows.block_offsets(sm90.block_m),
+                                     rows.max_blocks(sm90.block_m) * (n // sm90.block_n), out_dtype, config=sm90)
+    c = torch.empty(m, n, device=a.device, dtype=out_dtype)
     tiles = rows.block_offsets(cfg.block_m)
     max_tiles = rows.max_blocks(cfg.block_m) * cdiv(n, cfg.block_n)
     progs = max(1, min(max_tiles, num_sms(a.device) * cfg.programs_per_sm))
@@ -661,10 +676,15 @@ def grouped_gemm_wgrad(
     if not use_triton(a, backend):
         ref = grouped_gemm_wgrad_ref(a, a_scale, b, b_scale, rows, out_dtype)
         return ref if out is None else out.copy_(ref)
-    cfg = GROUPED_TUNING.current().wgrad
+    tuning = GROUPED_TUNING.current()
+    cfg = tuning.wgrad
     c = torch.empty(g, n, k, device=a.device, dtype=out_dtype) if out is None else out
     if c.numel() == 0:
         return c
+    sm90 = tuning.sm90
+    if (sm90 is not None and n % sm90.block_m == 0 and sm90_available(a)
+            and tma_compatible(a, b, c.view(g * n, k))):  # fmt: skip
+        return grouped_gemm_wgrad_sm90(a, a_scale, b, b_scale, rows.block_offsets(), c, config=sm90)
     tiles = g * cdiv(n, cfg.block_m) * cdiv(k, cfg.block_n)
     progs = max(1, min(tiles, num_sms(a.device) * cfg.programs_per_sm))
     tma = cfg.tma and tma_compatible(a, b)

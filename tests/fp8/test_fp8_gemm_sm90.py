@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8.gemm import fp8_gemm_ref, fp8_gemm_wgrad_ref
+from fp8.gemm import GEMM_TUNING, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad, fp8_gemm_wgrad_ref
 from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
 from fp8.grouped import grouped_gemm, grouped_gemm_wgrad, quantize_expert_weights, quantize_tokens_grouped
 from fp8.quant import fp8_transpose_128x128, quantize_1x128, quantize_128x128
@@ -35,10 +35,11 @@ def _operands(m, n, k, b_blockwise):
 
 
 def _triton(a, a_s, b, b_s, b_blockwise, out_dtype):
-    from fp8.gemm import _config, _launch  # the Triton kernel itself, whatever fp8_gemm dispatches to
-
-    kind = "fprop" if b_blockwise else "wgrad"
-    return _launch(a, a_s, b, b_s, out_dtype, b_blockwise, _config(a.shape[0], kind, None, out_dtype))
+    """The Triton kernel, which fp8_gemm runs on sm_90 only with the Gluon kernel turned off."""
+    with GEMM_TUNING.override(sm90=None):
+        if b_blockwise:
+            return fp8_gemm(a, a_s, b, b_s, out_dtype=out_dtype)
+        return fp8_gemm_wgrad(a, a_s, b, b_s, out_dtype=out_dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -58,6 +59,23 @@ def test_sm90_gemm_gives_the_triton_kernels_bits(shape, b_blockwise, out_dtype, 
                                                                 torch.float64)  # fmt: skip
     # Hopper's FP8 tensor cores accumulate a 128-deep block with ~14 significant bits (tests/fp8/test_fp8_gemm.py)
     assert rel(out, ref) < (4e-3 if out_dtype == torch.bfloat16 else 5e-4)
+
+
+def test_fp8_gemm_runs_the_gluon_kernel_on_sm90_and_the_triton_kernel_when_told():
+    """The default on sm_90 is the Gluon kernel for TMA-readable operands past SMALL_M_ROWS rows; sm90=None, a
+    small M and a column-major operand get the Triton kernel."""
+    _needs_sm90()
+    from fp8.gemm import _config
+
+    a, a_s, b, b_s = _operands(1024, 256, 512, True)
+    with GEMM_TUNING.override():
+        assert isinstance(_config(a, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
+    with GEMM_TUNING.override(sm90=None):
+        assert not isinstance(_config(a, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
+    small = a[:16]
+    assert not isinstance(_config(small, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
+    strided = a.t().contiguous().t()  # column-major: TMA cannot read it
+    assert not isinstance(_config(strided, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
 
 
 def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales():
