@@ -10,9 +10,10 @@ each 128-wide K block is multiplied on the tensor cores into a fresh fp32 accumu
 into the running fp32 sum with both scales applied in fp32 (DeepSeek-V3's per-block promotion); the output is
 cast once at the end. Tails in M, N and K are masked (K tails load zeros, which add nothing).
 
-Kernels: on an sm_90 GPU the Hopper Gluon kernel of `fp8/gemm_sm90.py` (the same bits, the promotion overlapped
-with the next block's wgmma; `GemmChoice.sm90` its tiles, None to turn it off); elsewhere, for small M or
-operands TMA cannot read, the Triton kernel here. Its tiles: `default_gemm_config(m, kind, out_dtype)` picks a
+Kernels: the Triton kernel here; with `GemmChoice.sm90` set (`GEMM_TUNING.override(sm90=SM90_CONFIG)`), the
+Hopper Gluon kernel of `fp8/gemm_sm90.py` on sm_90 GPUs (the same bits, the promotion overlapped with the next
+block's wgmma; slower on the H200 as measured, so off by default), except for small M or operands TMA cannot
+read. Its tiles: `default_gemm_config(m, kind, out_dtype)` picks a
 `GemmConfig` per GEMM kind ("fprop": forward and dgrad; "wgrad", whose fp32 outputs get their own tiles).
 `config=` on a call, or `GEMM_TUNING.override(fprop=..., wgrad=..., sm90=...)` around a block of calls (e.g.
 through `FP8Linear`), forces one (a `GemmConfig` forces the Triton kernel, a `Sm90GemmConfig` the Gluon one).
@@ -25,7 +26,7 @@ import dataclasses
 import torch
 
 from fp8.format import BLOCK, E4M3
-from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig, fp8_gemm_sm90, sm90_available
+from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90, sm90_available
 from fp8.quant import dequantize_1x128, dequantize_128x128
 from kernels.backend import (
     HAS_TRITON,
@@ -104,12 +105,14 @@ def default_gemm_config(m: int, kind: str, out_dtype: torch.dtype = torch.bfloat
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
     """A config forced on every GEMM of a kind, whatever its shape (a Triton `GemmConfig` or the Hopper Gluon
-    kernel's `Sm90GemmConfig`); None: the default. `sm90`: the Gluon kernel's tiles, the default on sm_90 GPUs
-    for operands it can read (None: the Triton kernel everywhere)."""
+    kernel's `Sm90GemmConfig`); None: the default. `sm90`: the Gluon kernel's tiles for every GEMM on an sm_90
+    GPU whose operands it can read; None (the default): the Triton kernel everywhere. Off by default because on
+    the H200 the Gluon kernel ran the Ling shapes at 0.87-0.96x the Triton kernel's speed (same bits; the step
+    0.94x BF16 with it against about 1.0x without: docs/benchmarks.md, 2026-12-05)."""
 
     fprop: GemmConfig | Sm90GemmConfig | None = None  # forward and dgrad
     wgrad: GemmConfig | Sm90GemmConfig | None = None
-    sm90: Sm90GemmConfig | None = SM90_CONFIG
+    sm90: Sm90GemmConfig | None = None
 
 
 GEMM_TUNING: Tuning[GemmChoice] = Tuning("fp8.gemm", GemmChoice())

@@ -36,7 +36,7 @@ import dataclasses
 
 import torch
 
-from kernels.backend import HAS_TRITON, cdiv, num_sms, set_descriptor_allocator
+from kernels.backend import HAS_TRITON, cdiv, num_sms, set_descriptor_allocator, tma_compatible
 
 try:  # Gluon is Triton's lower-level language (Triton >= 3.5); absent from CPU-only or older installs
     from triton.experimental import gluon
@@ -407,6 +407,11 @@ if HAS_GLUON:
 def _launch(a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
             config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
     """a [M, K], b2 [B_ROWS, K] and c2 [C_ROWS, N]: the 2-D views the kernel's TMA descriptors read and write."""
+    if not tma_compatible(a, b2, c2):
+        raise ValueError("the Gluon GEMM reads and writes through TMA: every operand needs a unit inner stride and "
+                         f"16-byte aligned rows and base, got a {tuple(a.shape)} stride {a.stride()} {a.dtype}, "
+                         f"b {tuple(b2.shape)} stride {b2.stride()}, out {tuple(c2.shape)} stride {c2.stride()} "
+                         f"{c2.dtype}")  # fmt: skip
     set_descriptor_allocator()
     _fp8_gemm_sm90_kernel[(progs,)](
         a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], c2.shape[0],

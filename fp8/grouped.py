@@ -32,13 +32,14 @@ accumulation): dW_down[e] = Σ dy_rᵀ a_r and dW_gate_up[e] = Σ dh_rᵀ x_r ov
 from the FP8 h in the activations' dtype (`swiglu_output`). The forward then saves the tokens x [T, H] in their
 own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-dim quantization runs at all.
 
-Kernels: on an sm_90 GPU the three GEMMs run the Hopper Gluon kernel of `fp8/gemm_sm90.py` (the same bits, each
-K block's promotion overlapped with the next block's wgmma) where its tiles fit (N a multiple of 128) and TMA can
-read the operands; elsewhere the Triton kernels here.
+Kernels: the Triton kernels here; with `GroupedConfig.sm90` set, the three GEMMs run the Hopper Gluon kernel of
+`fp8/gemm_sm90.py` on sm_90 GPUs (the same bits, each K block's promotion overlapped with the next block's wgmma;
+slower on the H200 as measured, so off by default) where its tiles fit (N a multiple of 128) and TMA can read the
+operands.
 
 Launch configuration: `GroupedConfig` (the Gluon tiles, the Triton GEMM tiles per kind and the SwiGLU kernels' row
-blocks), its default beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...), sm90=None)` forces
-other Triton tiles inside a block (sm90=None: the Triton GEMMs on sm_90 too).
+blocks), its default beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...))` forces other
+Triton tiles inside a block, `override(sm90=SM90_CONFIG)` the Gluon kernels.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8.format import BLOCK, E4M3
-from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
+from fp8.gemm_sm90 import Sm90GemmConfig, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
 from fp8.quant import (
     dequantize_1x128,
     dequantize_128x128,
@@ -585,7 +586,9 @@ class GroupedConfig:
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
-    sm90: Sm90GemmConfig | None = SM90_CONFIG  # on sm_90 GPUs: the Gluon GEMMs' tiles (None: the Triton ones)
+    # on sm_90 GPUs: the Gluon GEMMs' tiles; None (the default): the Triton ones, which ran 1.5-1.9x faster
+    # forward/dgrad on the H200 (the Gluon wgrad 0.84-1.33x; docs/benchmarks.md, 2026-12-05)
+    sm90: Sm90GemmConfig | None = None
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
     tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128

@@ -8,16 +8,23 @@ import pytest
 import torch
 
 from fp8.gemm import GEMM_TUNING, fp8_gemm, fp8_gemm_ref, fp8_gemm_wgrad, fp8_gemm_wgrad_ref
-from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
+from fp8.gemm_sm90 import (
+    SM90_CONFIG,
+    Sm90GemmConfig,
+    fp8_gemm_sm90,
+    grouped_gemm_sm90,
+    grouped_gemm_wgrad_sm90,
+    sm90_available,
+)
 from fp8.grouped import grouped_gemm, grouped_gemm_wgrad, quantize_expert_weights, quantize_tokens_grouped
 from fp8.quant import fp8_transpose_128x128, quantize_1x128, quantize_128x128
 from tests.helpers import data_rows, layout, rel
 
 pytestmark = pytest.mark.gpu
 
-# (M, N, K): aligned; an odd number of K blocks (the kernel's unpaired last step); M, N and K tails; one tile;
-# fewer tiles than SMs and more; a shared expert's K = 512
-SHAPES = [(1024, 768, 1024), (1000, 384, 640), (333, 256, 200), (128, 128, 128), (257, 640, 1152), (64, 128, 384),
+# (M, N, K): aligned; an odd number of K blocks (the kernel's unpaired last step); M, N and K tails (K = 208: TMA
+# needs 16-byte rows); one tile; fewer tiles than SMs and more; a shared expert's K = 512
+SHAPES = [(1024, 768, 1024), (1000, 384, 640), (333, 256, 208), (128, 128, 128), (257, 640, 1152), (64, 128, 384),
           (4096, 2048, 512)]  # fmt: skip
 CONFIGS = [Sm90GemmConfig(), Sm90GemmConfig(stages=3), Sm90GemmConfig(group_m=1, stages=5)]
 
@@ -35,7 +42,7 @@ def _operands(m, n, k, b_blockwise):
 
 
 def _triton(a, a_s, b, b_s, b_blockwise, out_dtype):
-    """The Triton kernel, which fp8_gemm runs on sm_90 only with the Gluon kernel turned off."""
+    """The Triton kernel (fp8_gemm's default; explicit here in case the default changes)."""
     with GEMM_TUNING.override(sm90=None):
         if b_blockwise:
             return fp8_gemm(a, a_s, b, b_s, out_dtype=out_dtype)
@@ -61,28 +68,30 @@ def test_sm90_gemm_gives_the_triton_kernels_bits(shape, b_blockwise, out_dtype, 
     assert rel(out, ref) < (4e-3 if out_dtype == torch.bfloat16 else 5e-4)
 
 
-def test_fp8_gemm_runs_the_gluon_kernel_on_sm90_and_the_triton_kernel_when_told():
-    """The default on sm_90 is the Gluon kernel for TMA-readable operands past SMALL_M_ROWS rows; sm90=None, a
-    small M and a column-major operand get the Triton kernel."""
+def test_fp8_gemm_runs_the_gluon_kernel_on_sm90_only_when_told():
+    """The default is the Triton kernel (the Gluon one measured slower); GemmChoice.sm90 selects the Gluon kernel
+    for TMA-readable operands past SMALL_M_ROWS rows, never for a small M or a column-major operand."""
     _needs_sm90()
     from fp8.gemm import _config
 
     a, a_s, b, b_s = _operands(1024, 256, 512, True)
-    with GEMM_TUNING.override():
+    assert not isinstance(_config(a, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
+    with GEMM_TUNING.override(sm90=SM90_CONFIG):
         assert isinstance(_config(a, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
-    with GEMM_TUNING.override(sm90=None):
-        assert not isinstance(_config(a, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
-    small = a[:16]
-    assert not isinstance(_config(small, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
-    strided = a.t().contiguous().t()  # column-major: TMA cannot read it
-    assert not isinstance(_config(strided, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
+        assert torch.equal(fp8_gemm(a, a_s, b, b_s), _triton(a, a_s, b, b_s, True, torch.bfloat16))
+        assert not isinstance(_config(a[:16], b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
+        strided = a.t().contiguous().t()  # column-major: TMA cannot read it
+        assert not isinstance(_config(strided, b, "fprop", None, torch.bfloat16), Sm90GemmConfig)
 
 
-def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales():
+def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales_and_rows_tma_cannot_read():
     _needs_sm90()
     a, a_s, b, b_s = _operands(128, 256, 128, True)
     with pytest.raises(ValueError, match="block_n = 128"):
         fp8_gemm_sm90(a, a_s, b, b_s, config=Sm90GemmConfig(block_n=256))
+    a, a_s, b, b_s = _operands(333, 256, 200, True)  # 200-byte rows (the H200 run of 2026-12-05 gave garbage)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        fp8_gemm_sm90(a, a_s, b, b_s)
 
 
 # segment lengths: empty experts, ones shorter than a tile, one over two 128-row tiles (tests/fp8/test_fp8_grouped.py)
