@@ -364,28 +364,20 @@ if HAS_GLUON:
                 sa_offs = _a_scale_offsets(row0, M, stride_asm, BLOCK_M, mma_layout)
             acc = zero
             ld = kb * 0 + (STAGES - 1)
-            # Two steps per iteration, so that the products alternate between two register tiles instead of
-            # being copied from one to the other at every step.
+            # Two steps per iteration (unrolled), so that the products alternate between two register tiles
+            # instead of being copied from one to the other at every step.
             pairs_end = 1 + ((total - 1) // 2) * 2
-            for step in range(1, pairs_end, 2):
-                (acc, cur, sa, sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g, kb0, nkb,
-                 sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
-                    step, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g,
-                    kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
-                    ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
-                    zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr,
-                    offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
-                    stride_bsk, B_BLOCKWISE, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
-                    mma_layout)  # fmt: skip
-                (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g,
-                 kb0, nkb, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
-                    step + 1, total, acc, cur, sa, sb, prev_r0, prev_re, prev_pn, prev_g,
-                    kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
-                    ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
-                    zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr, bs_ptr,
-                    offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
-                    stride_bsk, B_BLOCKWISE, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS,
-                    mma_layout)  # fmt: skip
+            for pair in range(1, pairs_end, 2):
+                for half in gl.static_range(2):
+                    (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n,
+                     g, kb0, nkb, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
+                        pair + half, total, acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g,
+                        kb, tile, row0, row_end, pid_n, g, kb0, nkb, sa_offs,
+                        ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb,
+                        zero, num_tiles, a_desc, b_desc, c_ptr, c_desc, a_smem, b_smem, c_smem, ready, as_ptr,
+                        bs_ptr, offs_ptr, tiles_ptr, M, N, G, num_kb, stride_cm, stride_asm, stride_ask, stride_bsg,
+                        stride_bsn, stride_bsk, B_BLOCKWISE, MODE, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES,
+                        NUM_PROGRAMS, mma_layout)  # fmt: skip
             if pairs_end < total:  # an odd step count: the last step
                 (acc, prev, prev_sa, prev_sb, prev_r0, prev_re, prev_pn, prev_g, kb, tile, row0, row_end, pid_n, g,
                  kb0, nkb, sa_offs, ld, ld_kb, ld_tile, ld_r0, ld_re, ld_pn, ld_g, ld_kb0, ld_nkb) = _mma_step(
