@@ -272,9 +272,10 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: AnyGemmCo
     if k == 0:
         return c.zero_()
     if isinstance(cfg, Sm90GemmConfig):
-        if tma_compatible(a, b, c):
+        if sm90_available(a) and tma_compatible(a, b, c):
             return fp8_gemm_sm90(a, a_scale, b, b_scale, out_dtype, b_blockwise=b_blockwise, config=cfg, out=c)
-        cfg = default_gemm_config(m, "fprop" if b_blockwise else "wgrad", out_dtype)  # an output TMA cannot write
+        # not an sm_90 GPU (the interpreter included), or an operand TMA cannot read or write: the Triton kernel
+        cfg = default_gemm_config(m, "fprop" if b_blockwise else "wgrad", out_dtype)
     if cfg.tma and tma_compatible(a, b, c):
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
         progs = min(tiles, num_sms(a.device) * cfg.programs_per_sm) if cfg.persistent else tiles

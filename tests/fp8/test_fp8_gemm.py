@@ -20,6 +20,7 @@ from fp8.gemm import (
     fp8_gemm_ref,
     fp8_gemm_wgrad,
 )
+from fp8.gemm_sm90 import SM90_CONFIG
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
 from tests.helpers import DEVICES, rel, setup_device
 
@@ -158,3 +159,15 @@ def test_default_tiles_follow_the_kind_the_rows_and_the_output_dtype(monkeypatch
         default_gemm_config(16384, "dgrad")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert default_gemm_config(16384, "wgrad", torch.float32) == INTERPRETER_CONFIG
+
+
+def test_a_forced_hopper_config_falls_back_to_the_triton_kernel_off_sm90(request):
+    """`config=Sm90GemmConfig()` (or GEMM_TUNING's sm90) where the Gluon kernel cannot run (here: the interpreter
+    on CPU) runs the Triton kernel: the same bits as the default."""
+    setup_device("cpu", request)
+    a, a_s, b, b_s = operands(130, 256, 256, "cpu")
+    want = fp8_gemm(a, a_s, b, b_s, backend="triton")
+    assert torch.equal(fp8_gemm(a, a_s, b, b_s, backend="triton", config=SM90_CONFIG), want)
+    with GEMM_TUNING.override(sm90=SM90_CONFIG):
+        assert torch.equal(fp8_gemm(a, a_s, b, b_s, backend="triton"), want)
+
