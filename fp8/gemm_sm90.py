@@ -25,6 +25,11 @@ Bits: each block's product is 4 chained m64n128k32 wgmmas into a fresh accumulat
 expressions as `fp8.triton_blocks.promote`, in the same K order: the same output bits as the Triton kernels
 (checked by tests/fp8/test_fp8_gemm_sm90.py on the GPU).
 
+Measured on the H200 (docs/benchmarks.md, 2026-12-05) at 0.87-0.96x the Triton kernels' speed on the dense Ling
+shapes and 0.53-0.65x on the grouped ones (one program per SM leaves the tensor cores idle between steps, which
+the Triton kernels' two or three resident programs cover), so `fp8.gemm` and `fp8.grouped` run it only when
+asked (`GemmChoice.sm90`, `GroupedConfig.sm90`).
+
 Defined only where Triton ships Gluon's Hopper language (`HAS_GLUON`); `sm90_available(t)` says whether the
 kernels can run on a tensor's device. Gluon kernels do not run in Triton's CPU interpreter: the CPU path and
 the interpreter tests keep the Triton kernels.
@@ -33,6 +38,7 @@ the interpreter tests keep the Triton kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -53,8 +59,15 @@ try:  # Gluon is Triton's lower-level language (Triton >= 3.5); absent from CPU-
 except Exception:  # pragma: no cover - depends on the environment
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "SM90_CONFIG", "Sm90GemmConfig", "fp8_gemm_sm90", "grouped_gemm_sm90",
-           "grouped_gemm_wgrad_sm90", "sm90_available"]
+__all__ = [
+    "HAS_GLUON",
+    "SM90_CONFIG",
+    "Sm90GemmConfig",
+    "fp8_gemm_sm90",
+    "grouped_gemm_sm90",
+    "grouped_gemm_wgrad_sm90",
+    "sm90_available",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +87,15 @@ SM90_CONFIG = Sm90GemmConfig()  # the tiles of every GEMM it runs (the defaults 
 
 def sm90_available(t: torch.Tensor) -> bool:
     """Whether the Gluon kernel can run on t's device: CUDA compute capability 9.x and Gluon installed."""
-    return HAS_GLUON and t.is_cuda and torch.cuda.get_device_capability(t.device)[0] == 9
+    if not (HAS_GLUON and t.is_cuda):
+        return False
+    return _major(t.device.index if t.device.index is not None else torch.cuda.current_device()) == 9
+
+
+# The compute capability's major per CUDA device index: a driver query, constant for the process.
+@functools.lru_cache(maxsize=64)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 DENSE, GROUPED, WGRAD = 0, 1, 2  # the kernel's MODE
