@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp8 import gemm as G  # noqa: E402
 from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
-from fp8.gemm_sm90 import SM90_CONFIG, sm90_available  # noqa: E402
+from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig, sm90_available  # noqa: E402
 from fp8.health import relative_error  # noqa: E402
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
 from fp8.quant import (  # noqa: E402
@@ -56,6 +56,10 @@ SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 5),
     GemmConfig(128, 128, 8, 8, 4),
+    # the Hopper Gluon kernel (fp8/gemm_sm90.py; sm_90 only): its default, and two resident 64x128 programs per SM
+    Sm90GemmConfig(),
+    Sm90GemmConfig(block_m=64, num_warps=4, stages=4, programs_per_sm=2),
+    Sm90GemmConfig(block_m=64, num_warps=4, stages=3, programs_per_sm=2),
 ]
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fp8_linear import gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
-from fp8.gemm_sm90 import SM90_CONFIG  # noqa: E402
+from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig  # noqa: E402
 from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
@@ -349,6 +349,11 @@ def padded_fraction(tokens: int, experts: int) -> dict:
             "load_max_over_mean": float(counts.max() / counts.mean())}  # fmt: skip
 
 
+# the Hopper Gluon kernel's tiles swept (sm_90 only): its default, and two resident 64x128 programs per SM
+SM90_SWEEP = [SM90_CONFIG, Sm90GemmConfig(block_m=64, num_warps=4, stages=4, programs_per_sm=2),
+              Sm90GemmConfig(block_m=64, num_warps=4, stages=3, programs_per_sm=2)]  # fmt: skip
+
+
 def sweep(tokens: int, experts: int) -> list[dict]:
     """Tile configurations of the forward/dgrad kernel on the three fprop shapes and of the wgrad kernel on both
     wgrad shapes, and the row blocks of the SwiGLU kernels; returns timings (TFLOPS or ms)."""
@@ -379,6 +384,10 @@ def sweep(tokens: int, experts: int) -> list[dict]:
         with G.GROUPED_TUNING.override(fprop=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
                 timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
+    for cfg in SM90_SWEEP:  # the Hopper Gluon kernel, all three grouped GEMMs
+        with G.GROUPED_TUNING.override(sm90=cfg):
+            for n, k, xq, xs, wq, ws in fprop_cases:
+                timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
     wgrad_cases = []
     for n, k in ((2 * INTER, H), (H, INTER)):
         wgrad_cases.append((n, k, G.quantize_tokens_grouped(rand(rows.num_rows, n), rows),
@@ -388,6 +397,11 @@ def sweep(tokens: int, experts: int) -> list[dict]:
     for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False)):
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
         with G.GROUPED_TUNING.override(wgrad=cfg):
+            for n, k, dyt, xt in wgrad_cases:
+                timed(f"wgrad N={n} K={k}", str(cfg),
+                      lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
+    for cfg in SM90_SWEEP:
+        with G.GROUPED_TUNING.override(sm90=cfg):
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),
                       lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
