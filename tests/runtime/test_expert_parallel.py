@@ -30,6 +30,7 @@ from ling.config import model_config_from
 from ling.ranks import free_port
 from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
+from tests.fork_server import run_script
 from tests.helpers import COMMON, ROOT, metrics_of
 
 WORKER = ROOT / "tests" / "runtime" / "ep_worker.py"
@@ -42,9 +43,9 @@ CASES = [("zero1", "fp32"), ("zero2", "fp32"), ("zero1", "fp8"), ("zero2", "fp8"
 def launch(nproc: int, mode: str, out: Path, *args: str, interpret: bool = False) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_INTERPRET="1" if interpret else "0")
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(WORKER), "--mode", mode, "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # torchrun's workers as children of the fork server (tests/fork_server.py): the launcher is not what is tested
+    cmd = [str(WORKER.relative_to(ROOT)), "--mode", mode, "--out", str(out), *args]
+    proc = run_script(cmd, ROOT, env, timeout=600, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=True)
 
