@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ from ling.checkpoint.reshard import SavedZeroState
 from ling.checkpoint.store import read_expert_shards, verify
 from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
 from ling.config import model_config_from
-from ling.ranks import free_port
 from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
 from tests.fork_server import run_script
@@ -322,11 +319,10 @@ def test_ep_size_must_divide_the_experts_and_the_world_and_needs_zero_1_or_2():
 
 @pytest.mark.slow
 def test_train_py_refuses_an_ep_size_that_does_not_divide_the_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "train.py", *COMMON, "train.steps=1", "moe.ep_size=4", "model.num_experts=8", f"hydra.run.dir={tmp_path}"]
+    cmd = ["train.py", *COMMON, "train.steps=1", "moe.ep_size=4", "model.num_experts=8", f"hydra.run.dir={tmp_path}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd, ROOT, env, timeout=300, nproc=2)  # torchrun's 2 workers, children of the fork server
     assert proc.returncode != 0 and "moe.ep_size=4 does not divide the world size (2 ranks)" in proc.stderr
 
 

@@ -252,8 +252,8 @@ def test_text_run_validates_summarises_and_logs_the_data_warnings(tmp_path):
 @pytest.mark.slow
 def test_bad_override_fails_with_the_key_in_the_message(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "train.py", "+exp=tiny_cpu", "train.stepz=3", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script(["train.py", "+exp=tiny_cpu", "train.stepz=3", f"hydra.run.dir={tmp_path}"], ROOT, env,
+                      timeout=300)  # `python train.py`, a child of the fork server
     assert proc.returncode != 0
     assert "stepz" in proc.stderr
 
