@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -51,7 +52,8 @@ SCRIPTS = ("train.py", "eval.py")
 
 
 def _serve(sock_path: str, parent: int) -> None:
-    """Runs in the server: preload, then serve one request at a time until the parent (the pytest worker) ends."""
+    """Runs in the server: preload, then serve requests (each in a forked handler) until the parent (the pytest
+    worker) ends."""
     sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # as under `python SCRIPT`: the script's folder only
     exec(compile(PRELOAD, "<fork_server preload>", "exec"), {})
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -60,39 +62,50 @@ def _serve(sock_path: str, parent: int) -> None:
     os.rename(sock_path + ".tmp", sock_path)  # the caller connects once the path exists
     while True:
         ready, _, _ = select.select([listener], [], [], 1.0)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:  # reap the handlers that are done
+                pass
         if os.getppid() != parent:  # the pytest worker is gone
             os._exit(0)
         if not ready:
             continue
         conn, _ = listener.accept()
-        with conn:
-            try:
-                request = json.loads(_read_line(conn))
-            except (OSError, ValueError):
-                continue
-            pids = []
-            for rank_env in request["ranks"]:
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    conn.close()
-                    _child({**request, "env": {**request["env"], **rank_env}})  # never returns
-                pids.append(pid)
-            with contextlib.suppress(OSError):  # the caller may have given up (its timeout)
-                conn.sendall(json.dumps({"pids": pids}).encode() + b"\n")
-            codes = {}
-            while len(codes) < len(pids):
-                pid, status = os.waitpid(-1, 0)
-                if pid not in pids:
-                    continue
-                codes[pid] = _returncode(status)
-                if codes[pid] != 0:  # as torchrun does when a worker fails: stop the others
-                    for other in pids:
-                        if other not in codes:
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(other, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"returncodes": [codes[p] for p in pids]}).encode() + b"\n")
+        if os.fork() == 0:  # a handler per request (a copy of the server), so that requests run side by side
+            listener.close()
+            _handle(conn)  # never returns
+        conn.close()
+
+
+def _handle(conn: socket.socket) -> None:
+    """In a handler: read the request (and the caller's stdin, stdout and stderr when it passes them), fork the
+    run's processes, report their pids, wait for them, report their exit codes."""
+    try:
+        first, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+        request = json.loads(first.decode() if first.endswith(b"\n") else first.decode() + _read_line(conn))
+        pids = []
+        for rank_env in request["ranks"]:
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                _child({**request, "env": {**request["env"], **rank_env}}, fds)  # never returns
+            pids.append(pid)
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # the caller may have given up (its timeout)
+            conn.sendall(json.dumps({"pids": pids}).encode() + b"\n")
+        codes = {}
+        while len(codes) < len(pids):
+            pid, status = os.waitpid(-1, 0)
+            codes[pid] = _returncode(status)
+            if codes[pid] != 0:  # as torchrun does when a worker fails: stop the others
+                for other in pids:
+                    if other not in codes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(other, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"returncodes": [codes[p] for p in pids]}).encode() + b"\n")
+    finally:
+        os._exit(0)
 
 
 def _read_line(conn: socket.socket) -> str:
@@ -110,24 +123,26 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _child(request: dict) -> None:
-    """In the forked child: become `python SCRIPT ARGS` in `cwd` with `env`, stdio to the given files; exit as the
-    interpreter would."""
+def _child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become `python SCRIPT ARGS` in `cwd` with `env`, stdin, stdout and stderr the caller's
+    (`fds`) or /dev/null and the request's files; exit as the interpreter would."""
     code = 1
     try:
-        os.setpgid(0, 0) if request.get("new_session") else None
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # what a fresh interpreter installs
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # ranks share the files
-            os.dup2(out, fd)
-            os.close(out)
+        if fds:
+            for fd, theirs in enumerate(fds):
+                os.dup2(theirs, fd)
+        else:
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # ranks share the files
+                os.dup2(out, fd)
+                os.close(out)
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1 if request["env"].get("PYTHONUNBUFFERED") else -1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
@@ -178,6 +193,7 @@ def _child(request: dict) -> None:
 # request): they may differ between the runs of one server, and a server is started without them
 PER_RUN = ("PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
 _servers: dict[frozenset, dict] = {}
+SOCKET_VAR = "LING_FORK_SERVER"  # the client's server (python_command)
 _lock = threading.Lock()
 
 
@@ -202,13 +218,14 @@ def _stop() -> None:
         if server["proc"].poll() is None:
             server["proc"].kill()
             server["proc"].wait()
+        shutil.rmtree(server["folder"], ignore_errors=True)
 
 
 atexit.register(_stop)
 
 
-def _connect(env: dict[str, str]) -> socket.socket:
-    """A connection to this worker's server for `env` (started on first use)."""
+def _socket_path(env: dict[str, str]) -> str:
+    """The socket of this worker's server for `env` (started on first use)."""
     with _lock:
         server = _servers.get(_key(env))
         if server is None:
@@ -218,9 +235,21 @@ def _connect(env: dict[str, str]) -> socket.socket:
                 log = Path(server["folder"], "server.log").read_text()[-5000:]
                 raise RuntimeError(f"the fork server exited with {server['proc'].returncode}:\n{log}")
             time.sleep(0.05)
+    return server["sock"]
+
+
+def _connect(env: dict[str, str]) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(server["sock"])
+    conn.connect(_socket_path(env))
     return conn
+
+
+def python_command(env: dict[str, str]) -> dict[str, str]:
+    """For a shell script that runs Python as `$PYTHON SCRIPT ARGS`: PYTHON and the variable that make each such
+    command a child of the server for `env` (through this file's client: `python tests/fork_server.py SCRIPT
+    ARGS`, an interpreter that imports nothing heavy, hands its stdin, stdout, stderr, working directory and
+    environment to the server, passes SIGTERM, SIGINT and SIGHUP on, and exits as the child did)."""
+    return {"PYTHON": f"{sys.executable} {Path(__file__).resolve()}", SOCKET_VAR: _socket_path(env)}
 
 
 def torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:
@@ -268,3 +297,32 @@ def run_script(argv: list[str], cwd: Path, env: dict[str, str], timeout: float,
         stdout, stderr = (Path(paths[k]).read_text(errors="replace") for k in ("stdout", "stderr"))
     returncode = next((c for c in codes if c != 0), 0)
     return subprocess.CompletedProcess([sys.executable, *argv], returncode, stdout, stderr)
+
+
+def _client(argv: list[str]) -> None:
+    """`python tests/fork_server.py SCRIPT ARGS` (python_command): `python SCRIPT ARGS` as a child of the server
+    at $LING_FORK_SERVER, with this process's stdin, stdout, stderr, working directory and environment."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(os.environ[SOCKET_VAR])
+    env = {k: v for k, v in os.environ.items() if k != SOCKET_VAR}
+    request = {"argv": argv, "cwd": os.getcwd(), "env": env, "ranks": [{}]}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    reply = conn.makefile("r")
+    pids = json.loads(reply.readline())["pids"]
+
+    def forward(signum, frame):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    code = json.loads(reply.readline())["returncodes"][0]
+    if code < 0:  # killed by a signal: so is this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    _client(sys.argv[1:])
