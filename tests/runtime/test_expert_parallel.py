@@ -1,4 +1,5 @@
-"""Expert parallelism (`moe.ep_size`), on CPU with gloo under `torchrun` (tests/runtime/ep_worker.py does the work).
+"""Expert parallelism (`moe.ep_size`), on CPU with gloo, as torchrun's workers (forked with torchrun's environment by
+tests/fork_server.py; tests/runtime/ep_worker.py does the work).
 
 - One MoE layer split over 2 ranks is bit-identical to the whole layer in one process on the global batch.
 - Train runs, 2 ranks: ep_size=2 against ep_size=1 on the same global batch, ZeRO-1 and ZeRO-2, fp32 and

@@ -1,4 +1,5 @@
-"""End-to-end train loop through `train.py` under torchrun: data-parallel equivalence, exact resume after torn
+"""End-to-end train loop through `train.py` (as fork-server children, tests/fork_server.py; under torchrun where
+the launcher's behaviour is tested): data-parallel equivalence, exact resume after torn
 or corrupted checkpoints, SIGTERM, non-finite steps, the run-dir rules, validation and logs."""
 
 from __future__ import annotations
