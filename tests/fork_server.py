@@ -65,7 +65,8 @@ def _serve(sock_path: str, parent: int) -> None:
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:  # reap the handlers that are done
                 pass
-        if os.getppid() != parent:  # the pytest worker is gone
+        if os.getppid() != parent:  # the pytest worker is gone (an xdist worker ends without running atexit)
+            shutil.rmtree(os.path.dirname(sock_path), ignore_errors=True)
             os._exit(0)
         if not ready:
             continue
