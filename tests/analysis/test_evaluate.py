@@ -26,6 +26,7 @@ from ling.analysis.evaluate import (
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
+from tests.fork_server import run_script
 from tests.helpers import ROOT
 
 SMALL = ModelConfig.preset("tiny", vocab_size=200, num_layers=2, num_experts=8, num_expert_groups=4,
@@ -152,8 +153,7 @@ TRAIN = ["+exp=tiny_cpu", "train.steps=3", "train.seq_len=64", "train.micro_batc
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    return proc
+    return run_script(cmd, ROOT, env, timeout=600)  # a child of the fork server: `python *cmd` without the imports
 
 
 @pytest.fixture(scope="module")

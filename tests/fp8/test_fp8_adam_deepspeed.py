@@ -9,14 +9,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ling.ranks import free_port
+from tests.fork_server import run_script
 from tests.helpers import ROOT, small_mlp
 
 pytest.importorskip("deepspeed")
@@ -27,12 +25,9 @@ WORKER = ROOT / "tests" / "fp8" / "dist_adam_worker.py"
 
 def launch(nproc: int, out: Path, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_INTERPRET="0")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(WORKER), "--out", str(out), *args,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # torchrun's workers as children of the fork server (tests/fork_server.py): the launcher is not what is tested
+    cmd = [str(WORKER.relative_to(ROOT)), "--out", str(out), *args]
+    proc = run_script(cmd, ROOT, env, timeout=600, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
 

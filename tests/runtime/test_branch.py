@@ -118,10 +118,15 @@ def test_the_branch_protocol_script_on_the_tiny_model(tmp_path):
     import subprocess
     from pathlib import Path
 
+    from tests.fork_server import python_command
+
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRUNK_STEPS": "5", "EVERY": "3", "LENGTH": "2", "OUT": str(tmp_path / "pb"), "JOBS": "2",
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
+    # the script's `$PYTHON train.py` / `$PYTHON eval.py` as children of the fork server (tests/fork_server.py):
+    # the script's orchestration is what is tested, not a fresh interpreter's start-up
+    env = {**env, **python_command(env), "TRUNK_STEPS": "5", "EVERY": "3", "LENGTH": "2", "OUT": str(tmp_path / "pb"),
+           "JOBS": "2"}
     extra = ["model=tiny", "data=synthetic", "data.kind=markov", "data.vocab_size=512", "train.device=cpu",
              "train.seq_len=32", "train.micro_batch_size=2", "model.num_layers=2", "logging.wandb.mode=disabled",
              "logging.progress_bar=false", "optim.warmup_steps=2", *SMALL_BUCKETS]

@@ -1,4 +1,5 @@
-"""Expert parallelism (`moe.ep_size`), on CPU with gloo under `torchrun` (tests/runtime/ep_worker.py does the work).
+"""Expert parallelism (`moe.ep_size`), on CPU with gloo, as torchrun's workers (forked with torchrun's environment by
+tests/fork_server.py; tests/runtime/ep_worker.py does the work).
 
 - One MoE layer split over 2 ranks is bit-identical to the whole layer in one process on the global batch.
 - Train runs, 2 ranks: ep_size=2 against ep_size=1 on the same global batch, ZeRO-1 and ZeRO-2, fp32 and
@@ -14,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,9 @@ from ling.checkpoint.reshard import SavedZeroState
 from ling.checkpoint.store import read_expert_shards, verify
 from ling.checkpoint.weights import find_checkpoint, load_into, read_model_state
 from ling.config import model_config_from
-from ling.ranks import free_port
 from ling.train.engine import expert_parallel_group
 from model.ling import LingForCausalLM
+from tests.fork_server import run_script
 from tests.helpers import COMMON, ROOT, metrics_of
 
 WORKER = ROOT / "tests" / "runtime" / "ep_worker.py"
@@ -42,9 +41,9 @@ CASES = [("zero1", "fp32"), ("zero2", "fp32"), ("zero1", "fp8"), ("zero2", "fp8"
 def launch(nproc: int, mode: str, out: Path, *args: str, interpret: bool = False) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TRITON_INTERPRET="1" if interpret else "0")
     env.pop("RANK", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(WORKER), "--mode", mode, "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # torchrun's workers as children of the fork server (tests/fork_server.py): the launcher is not what is tested
+    cmd = [str(WORKER.relative_to(ROOT)), "--mode", mode, "--out", str(out), *args]
+    proc = run_script(cmd, ROOT, env, timeout=600, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return torch.load(out, weights_only=True)
 
@@ -321,11 +320,10 @@ def test_ep_size_must_divide_the_experts_and_the_world_and_needs_zero_1_or_2():
 
 @pytest.mark.slow
 def test_train_py_refuses_an_ep_size_that_does_not_divide_the_ranks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "train.py", *COMMON, "train.steps=1", "moe.ep_size=4", "model.num_experts=8", f"hydra.run.dir={tmp_path}"]
+    cmd = ["train.py", *COMMON, "train.steps=1", "moe.ep_size=4", "model.num_experts=8", f"hydra.run.dir={tmp_path}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script(cmd, ROOT, env, timeout=300, nproc=2)  # torchrun's 2 workers, children of the fork server
     assert proc.returncode != 0 and "moe.ep_size=4 does not divide the world size (2 ranks)" in proc.stderr
 
 

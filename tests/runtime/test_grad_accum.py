@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from ling.ranks import free_port
 from ling.train.engine import deepspeed_config
+from tests.fork_server import run_script
 from tests.helpers import ROOT
 
 pytest.importorskip("deepspeed")
@@ -30,9 +29,9 @@ WORKER = ROOT / "tests" / "runtime" / "grad_accum_worker.py"
 @pytest.mark.slow
 def test_fp32_accumulation_is_exact_and_bf16_is_not():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, str(WORKER), "2:fp32", "3:fp32", "2:null",
-                           "1:fp32", "1:null", "1:fp32:stock"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # `python WORKER ...`, a child of the fork server (tests/fork_server.py)
+    proc = run_script([str(WORKER.relative_to(ROOT)), "2:fp32", "3:fp32", "2:null", "1:fp32", "1:null",
+                       "1:fp32:stock"], ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"case"'))}
     # fp32: 8 fp32 additions of bf16 values, ~1e-8 relative; bf16: each addition rounds to 8 bits, ~1e-3
@@ -57,10 +56,9 @@ def test_across_two_ranks_zero1_fp32_is_exact_and_zero2_rounds_each_micro_batch_
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
-                           "1:fp32", "2:fp32", "2:fp32:fp32_comm"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # torchrun's 2 workers as children of the fork server (tests/fork_server.py): the launcher is not what is tested
+    proc = run_script([str(WORKER.relative_to(ROOT)), "1:fp32", "2:fp32", "2:fp32:fp32_comm"], ROOT, env,
+                      timeout=600, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {r["case"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"case"'))}
     assert got["1:fp32"]["optimizer"] == "LeanBF16Optimizer" and got["1:fp32"]["rel_err"] < 1e-6, got

@@ -8,7 +8,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from ling.checkpoint import hf
-from ling.ranks import free_port
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
 from model.loss import IGNORE_INDEX
+from tests.fork_server import run_script
 from tests.helpers import ROOT
 
 # small, but every mechanism: a dense layer, MoE layers, a shared expert, MTP; dims not all multiples of 128
@@ -370,12 +369,11 @@ def test_export_loads_in_the_reference_modeling_code_with_equal_logits(tmp_path,
 def _train(run_dir: Path, *overrides: str, nproc: int = 1) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    launch = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"] \
-        if nproc > 1 else []
-    cmd = [sys.executable, *launch, "train.py", "+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512",
+    cmd = ["train.py", "+exp=tiny_cpu", "data=synthetic", "data.vocab_size=512",
            "logging.wandb.mode=disabled", "logging.progress_bar=false", "train.seq_len=32", "train.micro_batch_size=2",
            "model.num_layers=2", f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # children of the fork server: `python train.py`, or torchrun's nproc workers (the launcher is not tested here)
+    proc = run_script(cmd, ROOT, env, timeout=600, nproc=nproc if nproc > 1 else None)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -393,13 +391,10 @@ def test_cli_export_and_train_init_from(trained, tmp_path):
     exactly the exported ones (so init_from loaded every tensor)."""
     from ling.checkpoint.weights import find_checkpoint, read_model_state
 
-    proc = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "export", str(trained),
-                           str(tmp_path / "hf"), "--dtype", "fp32", "--max-shard-size", "1MB"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = _cli("export", str(trained), str(tmp_path / "hf"), "--dtype", "fp32", "--max-shard-size", "1MB")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no tokenizer: synthetic data" in proc.stdout
-    check = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "check", str(tmp_path / "hf")], cwd=ROOT,
-                           capture_output=True, text=True)
+    check = _cli("check", str(tmp_path / "hf"))
     assert check.returncode == 0 and "all present with the expected shapes" in check.stdout, check.stderr[-2000:]
 
     _train(tmp_path / "b", "train.steps=1", "optim.lr=0", "train.bias_update=false",
@@ -581,8 +576,11 @@ def test_a_bin_checkpoint_is_refused_as_unsupported(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    """`python -m ling.checkpoint.hf ARGS`, a child of the fork server (the environment of `_train`'s runs, whose
+    server has imported torch: the CLI's own imports and start-up run in the child)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    return run_script(["-m", "ling.checkpoint.hf", *args], ROOT, env, timeout=300)
 
 
 def test_cli_errors_are_one_message_not_a_traceback(tmp_path):
@@ -735,10 +733,10 @@ def test_export_ships_the_runs_tokenizer_without_loading_its_corpus(tmp_path):
             "data.val_fraction=0.1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    cmd = [sys.executable, "train.py", "+exp=tiny_cpu", *data, "logging.wandb.mode=disabled",
+    cmd = ["train.py", "+exp=tiny_cpu", *data, "logging.wandb.mode=disabled",
            "logging.progress_bar=false", "train.seq_len=32", "train.micro_batch_size=2", "model.num_layers=2",
            "train.steps=1", "train.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_script(cmd, ROOT, env, timeout=600)  # `python train.py`, a child of the fork server
     assert proc.returncode == 0, proc.stderr[-4000:]
     kept = tmp_path / "run" / "tokenizer" / "tokenizer.model"
     assert kept.is_file()

@@ -1,4 +1,5 @@
-"""End-to-end train loop through `train.py` under torchrun: data-parallel equivalence, exact resume after torn
+"""End-to-end train loop through `train.py` (as fork-server children, tests/fork_server.py; under torchrun where
+the launcher's behaviour is tested): data-parallel equivalence, exact resume after torn
 or corrupted checkpoints, SIGTERM, non-finite steps, the run-dir rules, validation and logs."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from ling.checkpoint.store import verify
 from ling.ranks import free_port
 from ling.train.rundir import RunDirLock
+from tests.fork_server import run_script
 from tests.helpers import COMMON, ROOT, metrics_of, overwrite_4k, same_losses
 
 STEPS = 12
@@ -41,21 +43,27 @@ def python_train(run_dir: Path, overrides: list[str], common: list[str] = COMMON
 
 
 def run_train(run_dir: Path, nproc: int, overrides: list[str], expect_rc: int | None = 0, common: list[str] = COMMON,
-              launcher: bool | None = None):
-    """Run train.py; returns (metrics lines, the completed process). Under torchrun when `launcher` is true, by
-    default (None) when nproc > 1 or a failure is expected: torchrun itself exits 1 when a worker fails, and
-    `expect_rc` is the worker's exit code, which torchrun reports. A successful one-process run goes without the
-    launcher (`python train.py`: one interpreter start-up fewer, ~2 s of CPU) unless the test is about
-    behaviour under torchrun (launcher=True)."""
-    if launcher is None:
-        launcher = nproc > 1 or expect_rc != 0
-    assert launcher or nproc == 1
-    cmd = torchrun(run_dir, nproc, overrides, common) if launcher else python_train(run_dir, overrides, common)
-    proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+              launcher: bool = False):
+    """Run train.py; returns (metrics lines, the completed process). `expect_rc`: the exit code the run must end
+    with (None: any).
+
+    Under torchrun when `launcher` is true: the tests of behaviour under the launcher (its logs; torchrun exits 1
+    when a worker fails and reports the worker's exit code, which `expect_rc` is matched against). Otherwise the
+    run's processes are children of the worker's fork server (tests/fork_server.py): `python train.py` for one
+    process, torchrun's workers with torchrun's environment for several; they skip the ~15 s of CPU that every
+    fresh interpreter spends importing torch, DeepSpeed and Hydra, and run the same code."""
+    if launcher:
+        cmd = torchrun(run_dir, nproc, overrides, common)
+        proc = subprocess.run(cmd, cwd=ROOT, env=train_env(), capture_output=True, text=True, timeout=600)
+    else:
+        argv = ["train.py", *common, f"hydra.run.dir={run_dir}", *overrides]
+        proc = run_script(argv, ROOT, train_env(), timeout=600, nproc=nproc if nproc > 1 else None)
     if expect_rc == 0:  # a failed worker's traceback sits before torchrun's summary: keep enough of stderr
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-20000:]
-    elif expect_rc is not None:
+    elif expect_rc is not None and launcher:
         assert proc.returncode != 0 and re.search(rf"exitcode\s*:\s*{expect_rc}\b", proc.stderr), proc.stderr[-5000:]
+    elif expect_rc is not None:
+        assert proc.returncode == expect_rc, f"exit code {proc.returncode}: " + proc.stderr[-5000:]
     return metrics_of(run_dir), proc
 
 
@@ -245,8 +253,8 @@ def test_text_run_validates_summarises_and_logs_the_data_warnings(tmp_path):
 @pytest.mark.slow
 def test_bad_override_fails_with_the_key_in_the_message(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "train.py", "+exp=tiny_cpu", "train.stepz=3", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_script(["train.py", "+exp=tiny_cpu", "train.stepz=3", f"hydra.run.dir={tmp_path}"], ROOT, env,
+                      timeout=300)  # `python train.py`, a child of the fork server
     assert proc.returncode != 0
     assert "stepz" in proc.stderr
 
