@@ -358,13 +358,25 @@ def test_changed_routing_assignments_by_hand():
     assert _changed_assignments(moved, ref) == (3, 6)
 
 
+# The step-error tests' micro-batches: one sequence of 32 tokens instead of the run's 2 x 64. Each copy's forward
+# and backward (seven copies in the ablation test; the bf16 ones' GEMMs are slow on CPU, the LM head's [8192, tokens]
+# ones most) costs in proportion to the tokens. What they check does not depend on the count: the copies see the
+# same batches and weights whatever their size; a backward-only switch leaves every loss bit and routing decision
+# as they were and a forward one changes the loss, on any batch; the bounds below (loss within 5 %, cosine over 0.5,
+# under half the assignments changed) are about E4M3's and bf16's rounding of each value, not an average over many
+# tokens; and both kinds of layer (dense and MoE, with MTP) still run on every token.
+STEP_ERROR_BATCH = {"seq_len": 32, "micro_batch_size": 1}
+
+
 @pytest.mark.slow
 def test_eval_step_error_mode_end_to_end(tiny_runs):
     """mode=step_error on a BF16 run's checkpoint: every parameter group, errors in (0, 1), the FP8 twin's loss
     within a few % of fp32's, the same figures when run twice (CPU: deterministic), and the JSON written."""
     run = tiny_runs / "bf16"
-    rec = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error"))
-    again = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error", output=run / "se2.json"))
+    # STEP_ERROR_BATCH: micro-batches of 32 tokens (the run's: 2 x 64), see there
+    rec = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error", **STEP_ERROR_BATCH))
+    again = run_eval(eval_cfg(checkpoint=run, batches=2, mode="step_error", output=run / "se2.json",
+                              **STEP_ERROR_BATCH))
     assert rec["loss"] == again["loss"] and rec["grad_rel_err"] == again["grad_rel_err"]
     assert set(rec["grad_rel_err"]["fp8"]) == {"all", "routed experts", "router", "attention", "norms", "embedding",
                                                "dense MLP + shared experts", "LM head", "MTP projection"}
@@ -385,7 +397,7 @@ def test_step_error_ablation_copies(tiny_runs):
     is refused."""
     run = tiny_runs / "bf16"
     rec = run_eval(eval_cfg(checkpoint=run, batches=3, mode="step_error", output=run / "se3.json",
-                            step_error_ablate="[dgrad_dy,fwd_x,experts]"))
+                            step_error_ablate="[dgrad_dy,fwd_x,experts]", **STEP_ERROR_BATCH))
     assert rec["loss"]["fp8-no-dgrad_dy"] == rec["loss"]["fp8"] != rec["loss"]["fp8-no-fwd_x"]
     assert rec["grad_rel_err"]["fp8-no-dgrad_dy"]["all"] != rec["grad_rel_err"]["fp8"]["all"]
     assert rec["loss"]["fp8-emulated"] == rec["loss"]["fp8"]  # CPU: the emulated path is the recipe, bit for bit

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from kernels.interpreter import fixed_fp8_cast
+from kernels.interpreter import fixed_fp8_cast, lean_interpreter
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
 from model.moe import MoE
@@ -193,7 +193,7 @@ def main() -> None:
         results[("fp8", True, True)] = check_layer("fp8", True, True, rank, world)
         if os.environ.get("TRITON_INTERPRET") == "1":
             os.environ["LING_FP8_BACKEND"] = "triton"
-            with fixed_fp8_cast():
+            with fixed_fp8_cast(), lean_interpreter():
                 # fewer experts: the interpreter's cost grows with the kernels' tile count, not with the tokens
                 results["triton"] = check_layer("fp8", True, False, rank, world, full=False, per_rank=16, num_experts=4,
                                                 num_expert_groups=2, topk_groups=1, num_experts_per_tok=2)
