@@ -32,10 +32,11 @@ accumulation): dW_down[e] = Σ dy_rᵀ a_r and dW_gate_up[e] = Σ dh_rᵀ x_r ov
 from the FP8 h in the activations' dtype (`swiglu_output`). The forward then saves the tokens x [T, H] in their
 own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-dim quantization runs at all.
 
-Kernels: the Triton kernels here; with `GroupedConfig.sm90` set, the three GEMMs run the Hopper Gluon kernel of
-`fp8/gemm_sm90.py` on sm_90 GPUs (the same bits, each K block's promotion overlapped with the next block's wgmma;
-slower on the H200 as measured, so off by default) where its tiles fit (N a multiple of 128) and TMA can read the
-operands.
+Kernels: the Triton kernels here, and the Hopper Gluon kernel of `fp8/gemm_sm90.py` on sm_90 GPUs (the same bits,
+each K block's promotion overlapped with the next block's wgmma) where its tiles fit and TMA can read the operands:
+by default for the wgrad of short expert segments (`GroupedConfig.sm90_wgrad`, at most 8 token blocks per expert on
+average, where it measured faster), with `GroupedConfig.sm90` set for all three GEMMs (slower forward/dgrad as
+measured, so off by default).
 
 Launch configuration: `GroupedConfig` (the Gluon tiles, the Triton GEMM tiles per kind and the SwiGLU kernels' row
 blocks), its default beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...))` forces other
@@ -78,6 +79,7 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_ref",
     "grouped_gemm_wgrad",
+    "wgrad_sm90_config",
     "grouped_gemm_wgrad_ref",
     "quantize_rows_gathered",
     "quantize_tokens_grouped",
@@ -586,9 +588,15 @@ class GroupedConfig:
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
-    # on sm_90 GPUs: the Gluon GEMMs' tiles; None (the default): the Triton ones, which ran 1.5-1.9x faster
-    # forward/dgrad on the H200 (the Gluon wgrad 0.84-1.33x; docs/benchmarks.md, 2026-12-05)
+    # on sm_90 GPUs: the Gluon tiles of all three GEMMs; None (the default): the Triton ones, which ran 1.2-1.9x
+    # faster forward/dgrad (docs/benchmarks.md, 2026-12-05)
     sm90: Sm90GemmConfig | None = None
+    # on sm_90 GPUs, where `sm90` is None: the wgrad's Gluon tiles when the experts average at most
+    # `sm90_wgrad_max_blocks` 128-token blocks each (its flat (tile, K block) pipeline prefetches across the short
+    # segments; 1.06-1.56x the Triton wgrad at 2-5 blocks, 0.88-0.91x at 17, the same bits; docs/benchmarks.md,
+    # "the Gluon kernel's 64x128 tiles"); None: the Triton wgrad everywhere
+    sm90_wgrad: Sm90GemmConfig | None = Sm90GemmConfig(block_m=64, num_warps=4, programs_per_sm=2, stages=4)
+    sm90_wgrad_max_blocks: int = 8
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
     tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
@@ -600,6 +608,7 @@ GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
     GroupedConfig(),
     interpreter=GroupedConfig(  # small tiles keep Triton's CPU interpreter fast
         sm90=None,
+        sm90_wgrad=None,
         fprop=GroupedGemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=2, tma=False),
         wgrad=GroupedGemmConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, tma=False),
     ),
@@ -684,7 +693,7 @@ def grouped_gemm_wgrad(
     c = torch.empty(g, n, k, device=a.device, dtype=out_dtype) if out is None else out
     if c.numel() == 0:
         return c
-    sm90 = tuning.sm90
+    sm90 = wgrad_sm90_config(tuning, rows)
     if (sm90 is not None and n % sm90.block_m == 0 and sm90_available(a)
             and tma_compatible(a, b, c.view(g * n, k))):  # fmt: skip
         return grouped_gemm_wgrad_sm90(a, a_scale, b, b_scale, rows.block_offsets(), c, config=sm90)
@@ -702,6 +711,17 @@ def grouped_gemm_wgrad(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
+
+
+def wgrad_sm90_config(tuning: GroupedConfig, rows: GroupedRows) -> Sm90GemmConfig | None:
+    """The Gluon tiles the wgrad asks for on an sm_90 GPU (None: the Triton kernel): `tuning.sm90` when set, else
+    `tuning.sm90_wgrad` when the experts' token blocks, `rows.max_blocks()` (a host-side bound: no sync), average at
+    most `tuning.sm90_wgrad_max_blocks` per expert. The caller still checks the GPU and the operands."""
+    if tuning.sm90 is not None:
+        return tuning.sm90
+    if tuning.sm90_wgrad is not None and rows.max_blocks() <= tuning.sm90_wgrad_max_blocks * rows.num_groups:
+        return tuning.sm90_wgrad
+    return None
 
 
 def quantize_rows_gathered(

@@ -16,7 +16,13 @@ from fp8.gemm_sm90 import (
     grouped_gemm_wgrad_sm90,
     sm90_available,
 )
-from fp8.grouped import grouped_gemm, grouped_gemm_wgrad, quantize_expert_weights, quantize_tokens_grouped
+from fp8.grouped import (
+    GROUPED_TUNING,
+    grouped_gemm,
+    grouped_gemm_wgrad,
+    quantize_expert_weights,
+    quantize_tokens_grouped,
+)
 from fp8.quant import fp8_transpose_128x128, quantize_1x128, quantize_128x128
 from tests.helpers import data_rows, layout, rel
 
@@ -135,7 +141,34 @@ def test_sm90_grouped_wgrad_gives_the_triton_kernels_bits(alignment, out_dtype, 
     xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, k, "cuda", 3.0), rows)
     out = torch.full((len(LENGTHS), n, k), float("nan"), device="cuda", dtype=out_dtype)
     grouped_gemm_wgrad_sm90(*dyt, *xt, rows.block_offsets(), out)
-    assert torch.equal(out, grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=out_dtype))
+    with GROUPED_TUNING.override(sm90_wgrad=None):  # the Triton kernel (by default these short segments take Gluon)
+        assert torch.equal(out, grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=out_dtype))
     for e, (lo, hi) in enumerate(segs):
         if hi == lo:
             assert torch.equal(out[e], torch.zeros_like(out[e]))
+
+
+def _kernels_run(fn) -> set[str]:
+    """The names of the CUDA kernels fn launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.profiler.DeviceType.CUDA}
+
+
+@pytest.mark.parametrize("lengths,gluon", [(LENGTHS, True), ([4096, 0, 3000], False)], ids=["short", "long"])
+def test_grouped_wgrad_takes_the_gluon_kernel_by_default_only_for_short_segments(lengths, gluon):
+    """GroupedConfig.sm90_wgrad: LENGTHS' experts average under 8 token blocks and get the Gluon wgrad; 3 experts
+    over 7,096 rows (19 blocks each) keep the Triton kernel. Either way the Triton kernel's bits."""
+    _needs_sm90()
+    torch.manual_seed(len(lengths))
+    rows, segs = layout(lengths, 16, "cuda")
+    dyt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, 256, "cuda"), rows)
+    xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, 384, "cuda", 3.0), rows)
+    out = grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16)
+    names = _kernels_run(lambda: grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16))
+    assert any("sm90" in n for n in names) == gluon, names
+    with GROUPED_TUNING.override(sm90_wgrad=None):
+        assert not any("sm90" in n for n in _kernels_run(lambda: grouped_gemm_wgrad(*dyt, *xt, rows)))
+        assert torch.equal(out, grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16))
+

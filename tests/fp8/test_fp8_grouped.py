@@ -5,11 +5,15 @@ the interpreter; the `gpu` variants run the compiled kernels."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from fp8.gemm_sm90 import Sm90GemmConfig
 from fp8.grouped import (
     GROUPED_TUNING,
+    GroupedConfig,
     GroupedRows,
     grouped_gemm,
     grouped_gemm_wgrad,
@@ -23,9 +27,11 @@ from fp8.grouped import (
     swiglu_quantize_ref,
     swiglu_quantize_tokens,
     token_columns,
+    wgrad_sm90_config,
 )
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
 from kernels.rows import gather_rows, sum_rows
+from model.dispatch import plan_dispatch
 from tests.helpers import DEVICES, bits_equal, data_rows, layout, rel, setup_device
 
 # segment lengths: empty experts, segments shorter than 16 and than a tile, one longer than two 128-row tiles
@@ -195,3 +201,25 @@ def test_bad_operands_name_the_problem():
         grouped_gemm(a[:6], torch.ones(6, 1), w[:2], torch.ones(2, 1, 1), rows)
     with pytest.raises(ValueError, match="multiples of 128"):
         quantize_expert_weights(torch.zeros(2, 100, 128))
+
+
+def test_the_wgrad_asks_for_the_gluon_tiles_only_where_expert_segments_are_short():
+    """GroupedConfig.sm90_wgrad (the Gluon wgrad on sm_90, where it measured faster): the dispatch's rows of Ling's
+    top-8 routing over 256 experts at 4,096 and 16,384 tokens (about 2 and 5 token blocks per expert) and 64 experts
+    at 4,096 tokens (5) take it, 64 experts at 16,384 tokens (17 blocks) keep the Triton wgrad; a set
+    GroupedConfig.sm90 wins; None turns it off; the interpreter never asks for it (Gluon does not run there)."""
+    cfg = GroupedConfig()
+
+    def rows(tokens: int, experts: int) -> GroupedRows:
+        topk = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(tokens + experts)).topk(8).indices
+        return plan_dispatch(topk, experts, 16).rows
+
+    for tokens, experts in [(4096, 256), (16384, 256), (4096, 64)]:
+        assert wgrad_sm90_config(cfg, rows(tokens, experts)) is cfg.sm90_wgrad is not None
+    long_segments = rows(16384, 64)
+    assert wgrad_sm90_config(cfg, long_segments) is None
+    forced = Sm90GemmConfig(stages=3)
+    assert wgrad_sm90_config(dataclasses.replace(cfg, sm90=forced), long_segments) is forced
+    assert wgrad_sm90_config(dataclasses.replace(cfg, sm90_wgrad=None), rows(4096, 256)) is None
+    assert GROUPED_TUNING.interpreter.sm90_wgrad is None
+
