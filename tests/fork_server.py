@@ -191,7 +191,8 @@ def _child(request: dict, fds: list[int]) -> None:
 
 # ------------------------------------------------------------------------------------------------ the client
 # Variables no module reads when it is imported (a child sets up sys.path and its stdio buffering itself, from the
-# request): they may differ between the runs of one server, and a server is started without them
+# request): they may differ between the runs of one server, and a server is started without them (PYTHONPATH: with
+# this process's own, for its pre-imports; a child puts its request's entries before it)
 PER_RUN = ("PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
 _servers: dict[frozenset, dict] = {}
 SOCKET_VAR = "LING_FORK_SERVER"  # the client's server (python_command)
@@ -208,6 +209,8 @@ def _start(env: dict[str, str]) -> dict:
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.fork_server import _serve; "
             f"_serve({sock_path!r}, {os.getpid()})")
     server_env = {k: v for k, v in env.items() if k not in PER_RUN}
+    if os.environ.get("PYTHONPATH"):  # the server pre-imports what this process imports, from where it found them
+        server_env["PYTHONPATH"] = os.environ["PYTHONPATH"]  # (e.g. the GPU machine's wheels in /tmp/site)
     with open(os.path.join(folder, "server.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=server_env, stdout=log, stderr=log)
     return {"proc": proc, "sock": sock_path, "folder": folder}
