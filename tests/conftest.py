@@ -9,10 +9,32 @@ import os
 # is imported so that kernels run on CPU tensors in CI. GPU runs set TRITON_INTERPRET=0 explicitly.
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("LING_TEST_GPU") == "1" else "1")
 
+
+def _threads_per_worker() -> int | None:
+    """Under pytest-xdist, the machine's cores shared out among the workers (None outside xdist)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+
+
+# xdist workers (and what they start without an OMP_NUM_THREADS of their own: torch.multiprocessing spawns, the
+# benchmarks' rows) each take their share of the cores for torch's intra-op threads instead of all of them. With
+# one thread per core taken by every worker, the default (a thread per core in each worker) leaves OpenMP's
+# threads spinning for cores another worker holds: on the 2-core machine, two workers running the in-process
+# test files (test_fp8_adam, test_profiling, test_determinism, ...) spent 336 CPU-s with the default and 178 with
+# this. The values tests compute do not depend on the thread count beyond summation order (every bound in the
+# tests allows for that; the train.py runs they start already use OMP_NUM_THREADS=1). A run outside xdist, or an
+# OMP_NUM_THREADS set by the caller, is left as it is.
+_WORKER_THREADS = _threads_per_worker() if "OMP_NUM_THREADS" not in os.environ else None
+if _WORKER_THREADS is not None:
+    os.environ["OMP_NUM_THREADS"] = str(_WORKER_THREADS)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.interpreter import fixed_fp8_cast, interpreter_available, lean_interpreter  # noqa: E402
+
+if _WORKER_THREADS is not None:  # torch reads OMP_NUM_THREADS at import, unless a plugin imported it before this file
+    torch.set_num_threads(_WORKER_THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -192,8 +192,13 @@ def _child(request: dict, fds: list[int]) -> None:
 # ------------------------------------------------------------------------------------------------ the client
 # Variables no module reads when it is imported (a child sets up sys.path and its stdio buffering itself, from the
 # request): they may differ between the runs of one server, and a server is started without them (PYTHONPATH: with
-# this process's own, for its pre-imports; a child puts its request's entries before it)
-PER_RUN = ("PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")
+# this process's own, for its pre-imports; a child puts its request's entries before it). The launcher's RANK,
+# LOCAL_RANK and WORLD_SIZE among them: an in-process train() of an earlier test leaves them in the pytest
+# worker's environment (ling.ranks.init_distributed), and some tests drop RANK from theirs and some do not; a
+# server per combination cost ~15 CPU-s each. The preload reads RANK once (ling.train.logger.quiet_library_noise,
+# where none means 0, all a pytest worker's one-process group sets); a rank's child gets its own from the request.
+PER_RUN = ("PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT", "RANK",
+           "LOCAL_RANK", "WORLD_SIZE")
 _servers: dict[frozenset, dict] = {}
 SOCKET_VAR = "LING_FORK_SERVER"  # the client's server (python_command)
 _lock = threading.Lock()

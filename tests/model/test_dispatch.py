@@ -111,12 +111,18 @@ def test_padding_changes_no_bit_of_the_output_or_any_gradient(precision):
 def test_fp8_kernels_padding_bit_identical_and_match_the_reference(triton_interpreter, monkeypatch):
     """The Triton kernels (interpreter) with and without padding: bit-identical; against the torch reference:
     equal up to fp32 summation order, except where a recomputed a = silu·up lands on the other side of an
-    E4M3 rounding boundary (measured 2e-4 on the output, < 2e-6 on gradients)."""
-    unpadded, padded = moe_pair("fp8", hidden_size=128, num_experts=8, num_expert_groups=4)
+    E4M3 rounding boundary (measured 2e-4 on the output, < 2e-6 on gradients).
+
+    4 experts, top-2 of one group of 2 (the interpreter's time grows with the kernels' tiles, about one per expert
+    segment and 16-row block, not with what a tile computes): the same kernels, segments of uneven lengths, some
+    of them padded (checked below), as with more experts."""
+    unpadded, padded = moe_pair("fp8", hidden_size=128, num_experts=4, num_expert_groups=2, topk_groups=1,
+                                num_experts_per_tok=2)
     x = torch.randn(2, 20, 128)
     g = torch.randn_like(x)
     monkeypatch.setenv("LING_FP8_BACKEND", "triton")
     a, b = run_moe(unpadded, x, g), run_moe(padded, x, g)
+    assert (a[2] % padded.pad_multiple != 0).any()  # tokens_per_expert: some segment gets pad rows
     for u, v in zip(a, b):
         assert torch.equal(u, v)
     for p in padded.parameters():

@@ -14,7 +14,14 @@ from ling.train.determinism import deterministic_mode
 from tests.helpers import compose_cfg
 
 EVAL_BATCHES = 2
-COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1",
+# Sequences of 64 tokens (the demo's 256 cost four times the compute on CPU): whether two runs agree bit for bit and
+# validate on the same batches does not depend on their length; every op of a step (FP8 linears and experts,
+# FP8AdamW's stochastic rounding, validation) still runs, on the bundled corpus's packed sequences. ZeRO-2's
+# gradient bucket of 1M elements instead of DeepSpeed's 500M: deterministic mode fills every new tensor's memory
+# with NaN (torch.utils.deterministic.fill_uninitialized_memory), and ZeRO allocates the bucket anew at every
+# micro-batch, 2 GB here (0.9 s a step on CPU); the model's 1M-odd gradients still go through it, bucket by bucket.
+COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1", "train.seq_len=64",
+          "+deepspeed.zero_extra.reduce_bucket_size=1000000",
           "model.num_layers=2", "train.eval_every=2", f"train.eval_batches={EVAL_BATCHES}", "train.save_final=false",
           "logging.wandb.mode=disabled", "logging.progress_bar=false", "optim.warmup_steps=1", "train.resume=none"]
 
