@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp8 import gemm as G  # noqa: E402
 from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
-from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig, sm90_available  # noqa: E402
+from fp8.gemm_sm90 import SM90_CONFIG, SM90_SMALL_TILES, sm90_available  # noqa: E402
 from fp8.health import relative_error  # noqa: E402
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
 from fp8.quant import (  # noqa: E402
@@ -45,6 +45,9 @@ from fp8.quant import (  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120),
           "shared_gate_up": (1024, 2048), "shared_down": (2048, 512)}  # (N, K) of every Ling-mini FP8Linear
+# the Hopper Gluon kernel's tiles swept (fp8/gemm_sm90.py; sm_90 only): its default, and two resident 64x128
+# programs per SM with 4 and 3 stages (also swept by bench_moe.py on the grouped GEMMs)
+SM90_SWEEP = [SM90_CONFIG, SM90_SMALL_TILES, dataclasses.replace(SM90_SMALL_TILES, stages=3)]
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2),  # default, bar fp32 wgrad
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=3),
@@ -56,10 +59,7 @@ SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 5),
     GemmConfig(128, 128, 8, 8, 4),
-    # the Hopper Gluon kernel (fp8/gemm_sm90.py; sm_90 only): its default, and two resident 64x128 programs per SM
-    Sm90GemmConfig(),
-    Sm90GemmConfig(block_m=64, num_warps=4, stages=4, programs_per_sm=2),
-    Sm90GemmConfig(block_m=64, num_warps=4, stages=3, programs_per_sm=2),
+    *SM90_SWEEP,
 ]
 
 

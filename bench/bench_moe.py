@@ -36,10 +36,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fp8_linear import gpu_busy_ms  # noqa: E402
+from bench_fp8_linear import SM90_SWEEP, gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
-from fp8.gemm_sm90 import SM90_CONFIG, Sm90GemmConfig  # noqa: E402
 from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
@@ -352,11 +351,6 @@ def padded_fraction(tokens: int, experts: int) -> dict:
     counts = plan.tokens_per_expert.float()
     return {"tokens": tokens, "experts": experts, "pad_fraction": (padded - real) / real,
             "load_max_over_mean": float(counts.max() / counts.mean())}  # fmt: skip
-
-
-# the Hopper Gluon kernel's tiles swept (sm_90 only): its default, and two resident 64x128 programs per SM
-SM90_SWEEP = [SM90_CONFIG, Sm90GemmConfig(block_m=64, num_warps=4, stages=4, programs_per_sm=2),
-              Sm90GemmConfig(block_m=64, num_warps=4, stages=3, programs_per_sm=2)]  # fmt: skip
 
 
 def sweep(tokens: int, experts: int) -> list[dict]:

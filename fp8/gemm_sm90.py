@@ -62,6 +62,7 @@ except Exception:  # pragma: no cover - depends on the environment
 __all__ = [
     "HAS_GLUON",
     "SM90_CONFIG",
+    "SM90_SMALL_TILES",
     "Sm90GemmConfig",
     "fp8_gemm_sm90",
     "grouped_gemm_sm90",
@@ -83,6 +84,9 @@ class Sm90GemmConfig:
 
 
 SM90_CONFIG = Sm90GemmConfig()  # the tiles of every GEMM it runs (the defaults above)
+# 64x128 tiles of one warpgroup, two resident programs per SM: the tiles of the expert wgrad of short segments
+# (fp8/grouped.py: GroupedConfig.sm90_wgrad)
+SM90_SMALL_TILES = Sm90GemmConfig(block_m=64, num_warps=4, programs_per_sm=2)
 
 
 def sm90_available(t: torch.Tensor) -> bool:

@@ -34,9 +34,9 @@ own dtype instead of the per-row FP8 xᵀ [H, M] (M = T·k rows), and no token-d
 
 Kernels: the Triton kernels here, and the Hopper Gluon kernel of `fp8/gemm_sm90.py` on sm_90 GPUs (the same bits,
 each K block's promotion overlapped with the next block's wgmma) where its tiles fit and TMA can read the operands:
-by default for the wgrad of short expert segments (`GroupedConfig.sm90_wgrad`, at most 8 token blocks per expert on
-average, where it measured faster), with `GroupedConfig.sm90` set for all three GEMMs (slower forward/dgrad as
-measured, so off by default).
+by default for the wgrad of short expert segments (`GroupedConfig.sm90_wgrad`, at most
+`GroupedConfig.sm90_wgrad_max_blocks` token blocks per expert on average, where it measured faster), with
+`GroupedConfig.sm90` set for all three GEMMs (slower forward/dgrad as measured, so off by default).
 
 Launch configuration: `GroupedConfig` (the Gluon tiles, the Triton GEMM tiles per kind and the SwiGLU kernels' row
 blocks), its default beside the kernels; `GROUPED_TUNING.override(fprop=GroupedGemmConfig(...))` forces other
@@ -51,7 +51,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fp8.format import BLOCK, E4M3
-from fp8.gemm_sm90 import Sm90GemmConfig, grouped_gemm_sm90, grouped_gemm_wgrad_sm90, sm90_available
+from fp8.gemm_sm90 import (
+    SM90_SMALL_TILES,
+    Sm90GemmConfig,
+    grouped_gemm_sm90,
+    grouped_gemm_wgrad_sm90,
+    sm90_available,
+)
 from fp8.quant import (
     dequantize_1x128,
     dequantize_128x128,
@@ -79,8 +85,8 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_ref",
     "grouped_gemm_wgrad",
-    "wgrad_sm90_config",
     "grouped_gemm_wgrad_ref",
+    "wgrad_sm90_config",
     "quantize_rows_gathered",
     "quantize_tokens_grouped",
     "quantize_tokens_grouped_ref",
@@ -588,14 +594,14 @@ class GroupedConfig:
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
-    # on sm_90 GPUs: the Gluon tiles of all three GEMMs; None (the default): the Triton ones, which ran 1.2-1.9x
-    # faster forward/dgrad (docs/benchmarks.md, 2026-12-05)
+    # on sm_90 GPUs: the Gluon tiles of all three GEMMs; None (the default): the Triton ones, faster forward/dgrad
+    # as measured (docs/benchmarks.md, 2026-12-05)
     sm90: Sm90GemmConfig | None = None
     # on sm_90 GPUs, where `sm90` is None: the wgrad's Gluon tiles when the experts average at most
     # `sm90_wgrad_max_blocks` 128-token blocks each (its flat (tile, K block) pipeline prefetches across the short
-    # segments; 1.06-1.56x the Triton wgrad at 2-5 blocks, 0.88-0.91x at 17, the same bits; docs/benchmarks.md,
-    # "the Gluon kernel's 64x128 tiles"); None: the Triton wgrad everywhere
-    sm90_wgrad: Sm90GemmConfig | None = Sm90GemmConfig(block_m=64, num_warps=4, programs_per_sm=2, stages=4)
+    # segments, the same bits; faster there, slower on long segments: docs/fp8.md, "The Hopper GEMM kernel");
+    # None: the Triton wgrad everywhere
+    sm90_wgrad: Sm90GemmConfig | None = SM90_SMALL_TILES
     sm90_wgrad_max_blocks: int = 8
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward

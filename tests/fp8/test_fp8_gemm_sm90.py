@@ -171,4 +171,3 @@ def test_grouped_wgrad_takes_the_gluon_kernel_by_default_only_for_short_segments
     with GROUPED_TUNING.override(sm90_wgrad=None):
         assert not any("sm90" in n for n in _kernels_run(lambda: grouped_gemm_wgrad(*dyt, *xt, rows)))
         assert torch.equal(out, grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16))
-

@@ -209,17 +209,17 @@ def test_the_wgrad_asks_for_the_gluon_tiles_only_where_expert_segments_are_short
     at 4,096 tokens (5) take it, 64 experts at 16,384 tokens (17 blocks) keep the Triton wgrad; a set
     GroupedConfig.sm90 wins; None turns it off; the interpreter never asks for it (Gluon does not run there)."""
     cfg = GroupedConfig()
+    assert cfg.sm90_wgrad is not None
 
     def rows(tokens: int, experts: int) -> GroupedRows:
         topk = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(tokens + experts)).topk(8).indices
         return plan_dispatch(topk, experts, 16).rows
 
     for tokens, experts in [(4096, 256), (16384, 256), (4096, 64)]:
-        assert wgrad_sm90_config(cfg, rows(tokens, experts)) is cfg.sm90_wgrad is not None
+        assert wgrad_sm90_config(cfg, rows(tokens, experts)) is cfg.sm90_wgrad
     long_segments = rows(16384, 64)
     assert wgrad_sm90_config(cfg, long_segments) is None
     forced = Sm90GemmConfig(stages=3)
     assert wgrad_sm90_config(dataclasses.replace(cfg, sm90=forced), long_segments) is forced
     assert wgrad_sm90_config(dataclasses.replace(cfg, sm90_wgrad=None), rows(4096, 256)) is None
     assert GROUPED_TUNING.interpreter.sm90_wgrad is None
-

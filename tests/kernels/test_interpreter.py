@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kernels import interpreter as patches
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 # One process, the interpreter as Triton ships it, then inside lean_interpreter: the dense FP8 GEMM (jit helpers,
 # integer index arithmetic) and the 1x128 quantizer on fresh random inputs, outputs compared bit for bit.
