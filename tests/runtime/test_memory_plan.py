@@ -155,15 +155,18 @@ def test_the_fp8_experts_keep_what_the_model_says(triton_interpreter, wgrad):
 
 
 def layer_activation_bytes(layer, x: torch.Tensor, *args) -> int:
-    """GPU: bytes allocated by one forward of `layer` with grad (what it keeps for backward), output excluded."""
+    """GPU: bytes one forward of `layer` with grad keeps for backward: what freeing its output and autograd graph
+    gives back, output excluded. (Not the allocation's growth over the forward: a library's first call on a new
+    shape or stream may also keep a workspace for the process, which is not an activation.)"""
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     out = layer(x, *args)
     out = out[0] if isinstance(out, tuple) else out
     torch.cuda.synchronize()
-    kept = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
-    del out
-    return kept
+    with_graph = torch.cuda.memory_allocated()
+    out_bytes = out.numel() * out.element_size()
+    del out  # frees the output and every tensor saved for backward
+    torch.cuda.synchronize()
+    return with_graph - torch.cuda.memory_allocated() - out_bytes
 
 
 @pytest.mark.gpu

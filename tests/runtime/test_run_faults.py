@@ -372,6 +372,8 @@ def test_gpu_the_flagship_on_one_gpu_is_refused_before_the_build(tmp_path):
     _, proc = run_train(tmp_path, 1, ["+exp=fp8_mtp", "data=synthetic", "logging.wandb.mode=disabled",
                                       "logging.progress_bar=false"], expect_rc=2, common=[])
     assert re.search(r"the run needs ≈ \d+\.\d GiB per GPU \(weights 30\.\d, gradients 61\.\d", proc.stderr)
-    assert "(ZeRO-1) it is ≈" in proc.stderr and "OutOfMemoryError" not in proc.stderr
+    # what fits depends on the GPU's memory (an H200 is told more GPUs, an 80 GB H100 a smaller set-up first): any
+    # alternative with its size (the exact H200 message is tests/runtime/test_memory_plan.py's)
+    assert re.search(r"\bit is ≈ \d+\.\d GiB", proc.stderr) and "OutOfMemoryError" not in proc.stderr
     assert "optimizer state on rank" not in proc.stderr  # nothing was built
     assert time.monotonic() - t0 < 300
