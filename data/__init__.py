@@ -4,6 +4,6 @@ Every loader follows the `BatchLoader` protocol in `data.loader`; `build_loader`
 `data` config group (`name` key).
 """
 
-from data.loader import BatchLoader, build_loader
+from data.loader import BatchLoader, build_loader, build_loaders
 
-__all__ = ["BatchLoader", "build_loader"]
+__all__ = ["BatchLoader", "build_loader", "build_loaders"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -51,3 +51,19 @@ def build_loader(
             kind=str(cfg.get("kind", "uniform")), branching=int(cfg.get("branching", 4)),
         )
     raise ValueError(f"data.name={name!r} is not a known data source (known: bundled, files, synthetic)")
+
+
+def build_loaders(
+    cfg: Mapping[str, Any], splits: Sequence[str], *, seq_len: int, micro_batch_size: int, rank: int = 0,
+    world_size: int = 1, seed: int = 0,
+) -> dict[str, BatchLoader]:
+    """`build_loader` for each of `splits` that the source has, sharing one preparation of a real-text corpus
+    (read and hashed once, not once per split). Absent from the result: a split the source lacks ("val" of
+    synthetic data, or of a corpus with data.val_fraction = 0)."""
+    args = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "rank": rank, "world_size": world_size,
+            "seed": seed}
+    if cfg.get("name") in ("bundled", "files"):
+        from data.text_loader import build_text_loaders
+
+        return build_text_loaders(cfg, splits, **args)
+    return {split: build_loader(cfg, split=split, **args) for split in splits if split == "train"}

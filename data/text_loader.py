@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,14 +145,28 @@ class PackedLoader:
         self.consumed = consumed
 
 
+def _packed_loader(prep: Prepared, dcfg: DataConfig, split: str, micro_batch_size: int, rank: int, world_size: int,
+                   seed: int) -> PackedLoader:
+    return PackedLoader(prep.splits[split], micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
+                        seed=dcfg.seed if dcfg.seed is not None else seed, shuffle=dcfg.shuffle and split == "train",
+                        document_mask=dcfg.document_mask, tokenizer=prep.tokenizer)
+
+
+def build_text_loaders(cfg: Mapping[str, Any], splits: Sequence[str], *, seq_len: int, micro_batch_size: int,
+                       rank: int = 0, world_size: int = 1, seed: int = 0) -> dict[str, PackedLoader]:
+    """A loader for each of `splits` that the prepared corpus has, from one `prepare`: the corpus is read and
+    hashed once however many splits are asked for (each reading is a pass over every document). A
+    split it lacks ("val" with data.val_fraction = 0) is absent from the result."""
+    dcfg = cfg if isinstance(cfg, DataConfig) else DataConfig.from_mapping(cfg)
+    prep = prepare(dcfg, seq_len)
+    return {split: _packed_loader(prep, dcfg, split, micro_batch_size, rank, world_size, seed)
+            for split in splits if split in prep.splits}
+
+
 def build_text_loader(cfg: Mapping[str, Any], *, seq_len: int, micro_batch_size: int, rank: int = 0,
                       world_size: int = 1, seed: int = 0, split: str = "train") -> PackedLoader:
     dcfg = cfg if isinstance(cfg, DataConfig) else DataConfig.from_mapping(cfg)
     prep = prepare(dcfg, seq_len)
     if split not in prep.splits:
         raise DataError(f"no {split!r} split (have {sorted(prep.splits)}; val needs data.val_fraction > 0)")
-    return PackedLoader(prep.splits[split], micro_batch_size=micro_batch_size, rank=rank,
-                        world_size=world_size,
-                        seed=dcfg.seed if dcfg.seed is not None else seed,
-                        shuffle=dcfg.shuffle and split == "train", document_mask=dcfg.document_mask,
-                        tokenizer=prep.tokenizer)
+    return _packed_loader(prep, dcfg, split, micro_batch_size, rank, world_size, seed)

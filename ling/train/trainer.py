@@ -30,8 +30,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data import build_loader
-from data.config import DataError
+from data import build_loaders
 from fp8.monitor import FP8Monitor, MonitorConfig
 from ling.analysis.evaluate import evaluate
 from ling.analysis.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
@@ -173,8 +172,7 @@ class Trainer:
                                                  write=self.rank == 0)
         batch_args = {"seq_len": int(tc.seq_len), "micro_batch_size": int(tc.micro_batch_size),
                       "rank": self.rank, "world_size": self.world, "seed": seed}
-        self.loader = build_loader(cfg.data, **batch_args)
-        self.val_loader = self._build_val_loader(batch_args)
+        self.loader, self.val_loader = self._build_loaders(batch_args)
         self.model_config = model_config_from(cfg, getattr(self.loader, "vocab_size", None))
         model_dict = dataclasses.asdict(self.model_config)
         if resume_from is not None and (changed := checkpoint.model_mismatch(resume_from, model_dict)):
@@ -304,19 +302,19 @@ class Trainer:
             if refusal:
                 raise MemoryPlanRefusal(refusal)
 
-    def _build_val_loader(self, batch_args: dict[str, Any]):
-        if int(self.tc.eval_every) <= 0:
-            return None
-        if self.cfg.data.get("name") == "synthetic":
+    def _build_loaders(self, batch_args: dict[str, Any]):
+        """The train loader and the validation one (None without validation), from one preparation of the data."""
+        want_val = int(self.tc.eval_every) > 0
+        if want_val and self.cfg.data.get("name") == "synthetic":
             log.info("validation: data=synthetic has no held-out split; train.eval_every is ignored")
-            return None
-        try:
-            loader = build_loader(self.cfg.data, split="val", **batch_args)
-        except DataError as e:
-            log.info("validation off: %s", e)
-            return None
-        self.val_start = loader.state_dict()
-        return loader
+            want_val = False
+        loaders = build_loaders(self.cfg.data, ("train", "val") if want_val else ("train",), **batch_args)
+        val = loaders.get("val")
+        if want_val and val is None:
+            log.info("validation off: the data has no held-out split (data.val_fraction > 0 gives one)")
+        if val is not None:
+            self.val_start = val.state_dict()
+        return loaders["train"], val
 
     # ------------------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, Any]:

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+import data.text_loader
 from data.config import DataConfig, DataError
 from data.corpus import load_corpus
-from data.loader import build_loader
+from data.loader import build_loader, build_loaders
 from data.pack import CacheError, open_packed, stream_of
 from data.text_loader import PackedLoader, prepare
 from data.tokenizer import get_tokenizer
@@ -235,12 +236,11 @@ def test_cache_reused_and_keyed(tmp_path, corpus_file, monkeypatch):
     path, _ = corpus_file
     cfg = files_cfg(tmp_path, [path])
     first = prepare(cfg, 32)
-    import data.text_loader as tl
 
     def boom(*a, **k):
         raise AssertionError("rebuilt a valid cache")
 
-    monkeypatch.setattr(tl, "build_packed", boom)
+    monkeypatch.setattr(data.text_loader, "build_packed", boom)
     monkeypatch.setattr("data.tokenizer.train_tokenizer", boom)  # the same model path alone would not show it
     again = prepare(cfg, 32)
     assert again.splits["train"].folder == first.splits["train"].folder
@@ -412,3 +412,25 @@ def test_val_split_loader(tmp_path, corpus_file):
         build_loader({**raw, "val_fraction": 0.0}, seq_len=16, micro_batch_size=2, split="val")
     synth = build_loader({"name": "synthetic", "vocab_size": 64, "seed": 0}, seq_len=16, micro_batch_size=2)
     assert synth.next_batch()["input_ids"].shape == (2, 16)  # the synthetic source is untouched
+
+
+def test_the_train_and_val_loaders_share_one_reading_of_the_corpus(tmp_path, corpus_file, monkeypatch):
+    """build_loaders (the trainer's): one `load_corpus` (and fingerprint pass) for both splits, the same batches
+    as a loader built per split; a split the source lacks is absent, not an error."""
+    path, _ = corpus_file
+    raw = {"name": "files", "sources": [path], "cache_dir": str(tmp_path / "cache"), "num_proc": 1,
+           "val_fraction": 0.1, "tokenizer": {"vocab_size": 400, "train_chars": 200_000}}
+    args = {"seq_len": 16, "micro_batch_size": 2, "rank": 1, "world_size": 2, "seed": 3}
+    single = {split: build_loader(raw, split=split, **args) for split in ("train", "val")}
+    reads = []
+    real_load = data.text_loader.load_corpus
+    monkeypatch.setattr(data.text_loader, "load_corpus", lambda cfg: reads.append(cfg) or real_load(cfg))
+    both = build_loaders(raw, ("train", "val"), **args)
+    assert len(reads) == 1 and set(both) == {"train", "val"}
+    for split, loader in both.items():
+        for _ in range(3):
+            want, got = single[split].next_batch(), loader.next_batch()
+            assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), split
+    assert set(build_loaders({**raw, "val_fraction": 0.0}, ("train", "val"), **args)) == {"train"}
+    synth = build_loaders({"name": "synthetic", "vocab_size": 64, "seed": 0}, ("train", "val"), **args)
+    assert set(synth) == {"train"}
