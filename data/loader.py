@@ -66,4 +66,5 @@ def build_loaders(
         from data.text_loader import build_text_loaders
 
         return build_text_loaders(cfg, splits, **args)
-    return {split: build_loader(cfg, split=split, **args) for split in splits if split == "train"}
+    loader = build_loader(cfg, **args)  # synthetic data (no held-out split), or the error naming data.name
+    return {"train": loader} if "train" in splits else {}
