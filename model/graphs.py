@@ -63,7 +63,7 @@ class _Graph:
     """One block's captured forward and backward and their static tensors."""
 
     block: nn.Module
-    aliases: dict[str, torch.Tensor]  # name → a detached alias of each parameter that needs a gradient
+    aliases: dict[str, nn.Parameter]  # name → an alias of each parameter that needs a gradient (parameter_aliases)
     fwd: torch.cuda.CUDAGraph
     bwd: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # the static user inputs
@@ -116,10 +116,11 @@ class LayerGraphs:
     Per training forward: `ready(samples, kwargs)` (captures when needed; False: run eagerly this time), then
     `run(i, *args)` for block i in order, args as in `samples[i]`.
 
-    The captures run each block on detached aliases of its parameters (`torch.func.functional_call`): autograd
-    then never touches the parameters' own AccumulateGrad nodes while capturing (DeepSpeed keeps those alive from
-    the default stream, and a capture that routes a gradient through one fails); a replay returns the gradients
-    to the parameters themselves.
+    The captures run each block on aliases of its parameters (`parameter_aliases`, `torch.func.functional_call`):
+    autograd then never touches the parameters' own AccumulateGrad nodes while capturing (DeepSpeed keeps those
+    alive from the default stream, and a capture that routes a gradient through one fails); a replay returns the
+    gradients to the parameters themselves. The aliases are Parameters, so the compiled functions reuse the eager
+    forward's graphs and kernels: a graphed block computes the eager block's bits.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], chained: Sequence[bool], warmup: int = WARMUP_PASSES) -> None:
@@ -257,7 +258,7 @@ class LayerGraphs:
         inputs = tuple(first_input if i == 0 and first_input is not None
                        else a.detach().clone().requires_grad_(a.requires_grad) for i, a in enumerate(args))
         named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
-        aliases = {n: p.detach().requires_grad_() for n, p in named}
+        aliases = parameter_aliases(named)
         refresh = [m.refresh_fp8_weights for m in block.modules() if hasattr(m, "refresh_fp8_weights")]
         return _Graph(block, aliases, torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), inputs,
                       tuple(p for _, p in named), refresh=refresh)
@@ -316,6 +317,15 @@ class LayerGraphs:
         graph.grad_inputs = tuple(next(it) if t.requires_grad else None for t in graph.inputs)
         graph.grad_params = tuple(v if g is not None else None for v, g in zip(views, grads[n_inputs:]))
         del grads
+
+
+def parameter_aliases(named: Sequence[tuple[str, nn.Parameter]]) -> dict[str, nn.Parameter]:
+    """name → a new leaf Parameter over the same memory as the named parameter, for `functional_call`: autograd
+    gives it its own gradient, never touching the parameter's AccumulateGrad. A Parameter, not a plain tensor: the
+    compiled functions (kernels/fusable.py) then see the types an eager forward gives them and reuse its dynamo
+    graphs and Inductor kernels; a plain tensor makes dynamo compile a second graph, whose Inductor kernels can
+    autotune to another reduction order (other bits than the eager model's)."""
+    return {n: nn.Parameter(p.detach()) for n, p in named}
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,17 +1,21 @@
 """CPU checks of `model.graphs.LayerGraphs`' decisions around a capture (the captures themselves need CUDA:
 tests/model/test_graphs_gpu.py): a capture that runs out of memory leaves the run eager with a warning and the
-blocks' buffers untouched; a forward that collects FP8 health releases the graphs and runs eagerly."""
+blocks' buffers untouched; a forward that collects FP8 health releases the graphs and runs eagerly; a block run on
+the capture's parameter aliases reuses the eager forward's compiled graphs and gives its bits."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from fp8.linear import FP8Linear
 from model.config import ModelConfig
-from model.graphs import LayerGraphs
+from model.graphs import LayerGraphs, parameter_aliases
+from model.layers import _swiglu, qk_norm_rope, rms_norm
 from model.ling import LingForCausalLM
+from model.moe import route
 
 
 class _OutOfMemoryCapture(LayerGraphs):
@@ -64,3 +68,42 @@ def test_a_forward_that_collects_fp8_health_releases_the_graphs_and_runs_eagerly
     x = torch.zeros(2, 16, graphed.config.hidden_size)
     assert graphs.ready([(x,)] * len(graphs.blocks)) is False
     assert graphs._graphs == [] and graphs._key is None and graphs.disabled is None  # captured again next time
+
+
+def _compiled_graphs() -> dict[str, int]:
+    """How many dynamo graphs each compiled function of a decoder layer holds."""
+    fused = {"rms_norm": rms_norm, "qk_norm_rope": qk_norm_rope, "route": route, "swiglu": _swiglu}
+    return {name: len(_debug_get_cache_entry_list(fn.eager.__code__)) for name, fn in fused.items()}
+
+
+def test_a_block_on_the_capture_aliases_reuses_the_eager_compiled_graphs_and_bits():
+    """`model.compile_ops=on` (Inductor's CPU backend): an MoE decoder layer called through `functional_call` on
+    `parameter_aliases`, as a capture calls it, compiles no new graph for any fused function, and its output and
+    the aliases' gradients are the eager forward's and backward's bits (a plain detached tensor in place of a
+    Parameter would make dynamo compile every function again: checked last, so that this test can fail)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LingForCausalLM(ModelConfig.preset("tiny", vocab_size=64, compile_ops="on"))
+    layer = model.layers[1]
+    x = torch.randn(2, 24, model.config.hidden_size, requires_grad=True)  # the residual stream, as trained
+    cos, sin = model.rotary.cos_sin(torch.arange(24))
+    eager_out, _ = layer(x, cos, sin, None)
+    eager_out.square().sum().backward()
+    graphs = _compiled_graphs()
+    assert all(n >= 1 for n in graphs.values()), graphs  # each function compiled
+
+    named = [(n, p) for n, p in layer.named_parameters() if p.requires_grad]
+    aliases = parameter_aliases(named)
+    eager_grads = {n: p.grad.clone() for n, p in named}
+    out, _ = torch.func.functional_call(layer, aliases, (x, cos, sin), {"mask": None})
+    out.square().sum().backward()
+    assert _compiled_graphs() == graphs
+    assert torch.equal(out, eager_out)
+    for n, p in named:
+        assert aliases[n].data_ptr() == p.data_ptr() and torch.equal(p.grad, eager_grads[n]), n  # p untouched
+        assert torch.equal(aliases[n].grad, eager_grads[n]), n
+
+    plain = {n: p.detach().requires_grad_() for n, p in named}
+    torch.func.functional_call(layer, plain, (x, cos, sin), {"mask": None})
+    again = _compiled_graphs()  # every function that takes a parameter (not the SwiGLU: activations only)
+    assert all(again[name] == graphs[name] + 1 for name in ("rms_norm", "qk_norm_rope", "route")), again
