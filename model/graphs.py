@@ -120,7 +120,7 @@ class LayerGraphs:
     autograd then never touches the parameters' own AccumulateGrad nodes while capturing (DeepSpeed keeps those
     alive from the default stream, and a capture that routes a gradient through one fails); a replay returns the
     gradients to the parameters themselves. The aliases are Parameters, so the compiled functions reuse the eager
-    forward's graphs and kernels: a graphed block computes the eager block's bits.
+    forward's graphs and Inductor kernels rather than compiling (and autotuning) their own.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], chained: Sequence[bool], warmup: int = WARMUP_PASSES) -> None:
