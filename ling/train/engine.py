@@ -29,6 +29,7 @@ from fp8.linear import invalidate_fp8_weight_caches
 from ling.checkpoint.hf import load_hf_checkpoint
 from ling.config import ADAM_ABLATIONS, apply_fp8_ablation, fp8_ablation, plain_dict
 from ling.train.deepspeed_compat import create_expert_groups, expert_group_name, initialize_engine
+from ling.train.memory_plan import ZERO_BUCKET_ELEMENTS
 from ling.train.schedule import lr_multiplier
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
@@ -85,6 +86,21 @@ def check_deepspeed_config(ds_config: dict[str, Any], optim_name: str) -> None:
             "(zero_optimization.elastic_checkpoint=true) trims and re-partitions as if it were per element; "
             "set zero_optimization.elastic_checkpoint=false (the default)"
         )
+
+
+def cap_zero_buckets(ds_config: dict[str, Any], num_parameters: int) -> None:
+    """ZeRO's optimizers allocate their gradient reduce bucket (ZeRO-1/2 also an allgather bucket) at the configured
+    size, DeepSpeed's default of ZERO_BUCKET_ELEMENTS, whatever the model's size: gigabytes for a small model, anew
+    every micro-batch (and NaN-filled in deterministic mode). A bucket beyond the model's parameter count never
+    holds more, so each size the config leaves unset is capped at that count (rounded up to even, DeepSpeed's
+    allgather alignment). In place on `ds_config`; ZeRO-0 and sizes the user set are left alone."""
+    zero = ds_config["zero_optimization"]
+    stage = int(zero.get("stage", 0))
+    cap = num_parameters + num_parameters % 2
+    if stage == 0 or cap >= ZERO_BUCKET_ELEMENTS:
+        return
+    for key in ("reduce_bucket_size", "allgather_bucket_size") if stage <= 2 else ("reduce_bucket_size",):
+        zero.setdefault(key, cap)
 
 
 def build_optimizer(groups: Iterable[dict[str, Any]], optim: DictConfig,
@@ -194,6 +210,7 @@ def build_engine(cfg: DictConfig, model_config: ModelConfig, device: torch.devic
     if cfg.train.get("init_from"):  # start from an HF (BailingMoeV2) checkpoint: exported or published weights
         load_hf_checkpoint(model, cfg.train.init_from)
     apply_fp8_ablation(model, ablate)
+    cap_zero_buckets(ds_config, sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()))  # ZeRO-3: whole
     groups = param_groups(model, float(cfg.optim.weight_decay))
     optimizer = build_optimizer(moe_param_groups(model, groups) if ep_group is not None else groups, cfg.optim,
                                 ablate)

@@ -107,3 +107,25 @@ def test_fp8_adamw_with_elastic_checkpoint_is_refused_up_front():
     cfg = compose_cfg(["+exp=tiny_cpu", "optim=fp8_adamw", "+deepspeed.zero_extra.elastic_checkpoint=true"])
     with pytest.raises(ValueError, match="elastic_checkpoint"):
         build_engine(cfg, model_config_from(cfg, 256), torch.device("cpu"))
+
+
+def test_zero_buckets_are_capped_at_the_model_size_unless_set():
+    """ling.train.engine.cap_zero_buckets: ZeRO-1/2 reduce and allgather buckets, ZeRO-3's reduce bucket, at the
+    parameter count rounded up to even when DeepSpeed's default would be larger; a size the user set, ZeRO-0 and a
+    model larger than the default are left alone."""
+    from ling.train.engine import cap_zero_buckets
+    from ling.train.memory_plan import ZERO_BUCKET_ELEMENTS
+
+    def capped(zero: dict, count: int) -> dict:
+        conf = {"zero_optimization": dict(zero)}
+        cap_zero_buckets(conf, count)
+        return conf["zero_optimization"]
+
+    assert capped({"stage": 2}, 4_988_673) == {"stage": 2, "reduce_bucket_size": 4_988_674,
+                                               "allgather_bucket_size": 4_988_674}
+    assert capped({"stage": 1}, 1000) == {"stage": 1, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000}
+    assert capped({"stage": 3}, 1000) == {"stage": 3, "reduce_bucket_size": 1000}
+    assert capped({"stage": 2, "reduce_bucket_size": 64}, 1000) == {"stage": 2, "reduce_bucket_size": 64,
+                                                                  "allgather_bucket_size": 1000}
+    assert capped({"stage": 0}, 1000) == {"stage": 0}
+    assert capped({"stage": 2}, ZERO_BUCKET_ELEMENTS) == {"stage": 2}  # the e64 proxy and up: DeepSpeed's sizes

@@ -16,12 +16,8 @@ from tests.helpers import compose_cfg
 EVAL_BATCHES = 2
 # Sequences of 64 tokens (the demo's 256 cost four times the compute on CPU): whether two runs agree bit for bit and
 # validate on the same batches does not depend on their length; every op of a step (FP8 linears and experts,
-# FP8AdamW's stochastic rounding, validation) still runs, on the bundled corpus's packed sequences. ZeRO-2's
-# gradient bucket of 1M elements instead of DeepSpeed's 500M: deterministic mode fills every new tensor's memory
-# with NaN (torch.utils.deterministic.fill_uninitialized_memory), and ZeRO allocates the bucket anew at every
-# micro-batch, 2 GB here (0.9 s a step on CPU); the model's 1M-odd gradients still go through it, bucket by bucket.
+# FP8AdamW's stochastic rounding, validation) still runs, on the bundled corpus's packed sequences.
 COMMON = ["+exp=tiny_cpu", "train.deterministic=true", "train.micro_batch_size=1", "train.seq_len=64",
-          "+deepspeed.zero_extra.reduce_bucket_size=1000000",
           "model.num_layers=2", "train.eval_every=2", f"train.eval_batches={EVAL_BATCHES}", "train.save_final=false",
           "logging.wandb.mode=disabled", "logging.progress_bar=false", "optim.warmup_steps=1", "train.resume=none"]
 
@@ -31,9 +27,9 @@ def compose_run(extra: list[str]):
 
 
 def train_twice(tmp_path, extra: list[str]):
-    """Two runs of one config; returns their metrics lines, final weights and the batches each validation
-    read (the model's eval-mode forwards, `train.eval_batches` per validation), and checks that deterministic
-    mode was on inside the run."""
+    """Two runs of one config; returns their metrics lines, final weights, the batches each validation read (the
+    model's eval-mode forwards, `train.eval_batches` per validation) and (the ZeRO optimizer's reduce bucket size,
+    None without one; the model's parameter count), and checks that deterministic mode was on inside the run."""
     import ling.train.trainer as trainer
     from ling.train.engine import build_engine
 
@@ -55,12 +51,14 @@ def train_twice(tmp_path, extra: list[str]):
         trainer.train(compose_run(extra), run_dir=tmp_path / name, build_engine=build)
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         weights = {k: v.detach().cpu().clone() for k, v in engines[-1][0].module.state_dict().items()}
-        runs.append((lines, weights, [seen[i:i + EVAL_BATCHES] for i in range(0, len(seen), EVAL_BATCHES)]))
+        runs.append((lines, weights, [seen[i:i + EVAL_BATCHES] for i in range(0, len(seen), EVAL_BATCHES)],
+                     (getattr(engines[-1][0].optimizer, "reduce_bucket_size", None),
+                      sum(p.numel() for p in engines[-1][0].module.parameters()))))
     return runs
 
 
 def check_bit_identical(runs) -> None:
-    (la, wa, _), (lb, wb, _) = runs
+    (la, wa, *_), (lb, wb, *_) = runs
     keys = ("loss", "lm_loss", "mtp_loss", "grad_norm", "val_loss")
     assert [{k: r.get(k) for k in keys} for r in la] == [{k: r.get(k) for k in keys} for r in lb]
     assert any("val_loss" in r for r in la)
@@ -72,7 +70,11 @@ def test_two_runs_are_bit_identical_and_validate_on_the_same_batches(tmp_path):
     """FP8 linears and FP8AdamW (its stochastic rounding included); on CPU."""
     runs = train_twice(tmp_path, ["train.steps=3", "precision=fp8", "optim=fp8_adamw"])
     check_bit_identical(runs)
-    for _, _, seen in runs:  # validations at steps 2 and 3 (the end): the same held-out batches, the same order
+    # ZeRO-2's gradient bucket, allocated anew every micro-batch and NaN-filled in deterministic mode (0.9 s a step
+    # on CPU at DeepSpeed's 500M elements), holds the model's parameter count (ling.train.engine.cap_zero_buckets)
+    bucket, count = runs[0][3]
+    assert bucket == count + count % 2
+    for _, _, seen, _ in runs:  # validations at steps 2 and 3 (the end): the same held-out batches, the same order
         assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(seen[0], seen[1]))
     assert not torch.are_deterministic_algorithms_enabled()  # restored after the run
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ or os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
