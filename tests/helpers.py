@@ -15,6 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from fp8.grouped import GroupedRows
 from ling.analysis.compare import HEALTH_KINDS
@@ -50,6 +51,11 @@ def setup_device(device: str, request) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ comparisons
+def dynamo_graphs(fused) -> int:
+    """How many graphs dynamo holds for a `kernels.fusable.Fusable` (one per input signature it was compiled for)."""
+    return len(_debug_get_cache_entry_list(fused.eager.__code__))
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.float8_e4m3fn:  # bit-exact, except that any NaN encoding (0x7F / 0xFF) is NaN
         a, b = a.cpu(), b.cpu()

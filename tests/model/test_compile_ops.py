@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 from model.config import ModelConfig
@@ -23,6 +22,7 @@ from model.dispatch import plan_dispatch, plan_rows
 from model.layers import Fusable, _swiglu, qk_norm_rope, rms_norm, swiglu, use_compiled
 from model.ling import LingForCausalLM
 from model.moe import route
+from tests.helpers import dynamo_graphs
 
 RTOL = 1e-5  # see the module docstring
 
@@ -32,11 +32,6 @@ def close(a: torch.Tensor, b: torch.Tensor, rtol: float = RTOL) -> bool:
     if not b.is_floating_point():
         return torch.equal(a, b)
     return bool((a - b).abs().max() <= rtol * b.abs().max().clamp(min=1e-30))
-
-
-def _graphs(fn: Fusable) -> int:
-    """How many graphs dynamo holds for fn (one per input signature it was called with)."""
-    return len(_debug_get_cache_entry_list(fn.eager.__code__))
 
 
 def fwd_bwd(fn, inputs: list[torch.Tensor], consts: tuple, compiled: bool, seed: int = 0):
@@ -54,9 +49,9 @@ def fwd_bwd(fn, inputs: list[torch.Tensor], consts: tuple, compiled: bool, seed:
 def check_compiled_matches_eager(fused: Fusable, fn, inputs, consts=(), rtol: float = RTOL):
     """fn (`fused` or a wrapper of it) compiled vs eager: outputs and input gradients."""
     eager_out, eager_grads = fwd_bwd(fn, inputs, consts, compiled=False)
-    graphs = _graphs(fused)
+    graphs = dynamo_graphs(fused)
     out, grads = fwd_bwd(fn, inputs, consts, compiled=True)
-    assert _graphs(fused) == graphs + 1  # it did compile (a new shape)
+    assert dynamo_graphs(fused) == graphs + 1  # it did compile (a new shape)
     assert len(out) == len(eager_out) and len(grads) == len(eager_grads)
     for i, (a, b) in enumerate(zip(out + grads, eager_out + eager_grads)):
         assert a.dtype == b.dtype and a.shape == b.shape, i
@@ -163,7 +158,7 @@ def compiled_runs():
     torch._dynamo.reset()
     counters.clear()
     runs = {"none": _run("on", "none")}
-    graphs = {name: _graphs(fn) for name, fn in FUSED.items()}
+    graphs = {name: dynamo_graphs(fn) for name, fn in FUSED.items()}
     runs.update({mode: _run("on", mode) for mode in ("full", "selective")})
     return runs, graphs, dict(counters["graph_break"])
 
@@ -190,4 +185,4 @@ def test_one_graph_per_shape_serves_every_layer_without_graph_breaks(compiled_ru
     _, graphs, graph_breaks = compiled_runs
     assert graphs == {"rms_norm": 1, "qk_norm_rope": 1, "route": 1, "plan_rows": 1, "swiglu": 2}
     assert graph_breaks == {}
-    assert _graphs(rms_norm) == 1 and _graphs(route) == 1  # full and selective recompute: no new graph
+    assert dynamo_graphs(rms_norm) == 1 and dynamo_graphs(route) == 1  # full and selective recompute: no new graph

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from fp8.linear import FP8Linear
 from model.config import ModelConfig
@@ -16,6 +15,7 @@ from model.graphs import LayerGraphs, parameter_aliases
 from model.layers import _swiglu, qk_norm_rope, rms_norm
 from model.ling import LingForCausalLM
 from model.moe import route
+from tests.helpers import dynamo_graphs
 
 
 class _OutOfMemoryCapture(LayerGraphs):
@@ -73,7 +73,7 @@ def test_a_forward_that_collects_fp8_health_releases_the_graphs_and_runs_eagerly
 def _compiled_graphs() -> dict[str, int]:
     """How many dynamo graphs each compiled function of a decoder layer holds."""
     fused = {"rms_norm": rms_norm, "qk_norm_rope": qk_norm_rope, "route": route, "swiglu": _swiglu}
-    return {name: len(_debug_get_cache_entry_list(fn.eager.__code__)) for name, fn in fused.items()}
+    return {name: dynamo_graphs(fn) for name, fn in fused.items()}
 
 
 def test_a_block_on_the_capture_aliases_reuses_the_eager_compiled_graphs_and_bits():
