@@ -70,8 +70,8 @@ def test_two_runs_are_bit_identical_and_validate_on_the_same_batches(tmp_path):
     """FP8 linears and FP8AdamW (its stochastic rounding included); on CPU."""
     runs = train_twice(tmp_path, ["train.steps=3", "precision=fp8", "optim=fp8_adamw"])
     check_bit_identical(runs)
-    # ZeRO-2's gradient bucket, allocated anew every micro-batch and NaN-filled in deterministic mode (0.9 s a step
-    # on CPU at DeepSpeed's 500M elements), holds the model's parameter count (ling.train.engine.cap_zero_buckets)
+    # ZeRO-2's gradient bucket, allocated anew every micro-batch and NaN-filled in deterministic mode, holds the
+    # model's parameter count (ling.train.engine.cap_zero_buckets), not DeepSpeed's 500M elements (docs/runtime.md)
     bucket, count = runs[0][3]
     assert bucket == count + count % 2
     for _, _, seen, _ in runs:  # validations at steps 2 and 3 (the end): the same held-out batches, the same order
