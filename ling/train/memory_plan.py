@@ -235,8 +235,9 @@ def plan_for(setup: MemorySetup, split: ParameterSplit | None = None) -> MemoryP
     else:
         weights = a * local
     if stage >= 2:
-        # the fp32 partition; DeepSpeed's reduce and allgather buckets (at most the model's size: cap_zero_buckets)
-        grads = 4 * split.total / w + 2 * a * min(ZERO_BUCKET_ELEMENTS, split.total)
+        # the fp32 partition; DeepSpeed's reduce and allgather buckets (at most this rank's parameter count:
+        # ling.train.engine.cap_zero_buckets counts the parameters the rank holds)
+        grads = 4 * split.total / w + 2 * a * min(ZERO_BUCKET_ELEMENTS, local)
     elif setup.bf16 and (setup.fp32_grad_accum or stage == 0):
         grads = 4 * local  # DeepSpeed's BF16_Optimizer: whole fp32 gradients on every GPU
     else:
