@@ -188,6 +188,10 @@ def test_one_e64_layer_keeps_what_the_model_says_on_the_gpu(precision):
     from model.layers import RotaryEmbedding, attention_mask
     from model.ling import DecoderLayer
 
+    # The compiled ops as a training process has them: this pytest worker's earlier GPU tests may have compiled
+    # the shared Fusable functions (kernels/fusable.py) at eight other shapes, dynamo's recompile limit, after
+    # which they run eagerly (an eager SwiGLU keeps silu(gate) too: 10,240 B/token more, seen on an H200).
+    torch._dynamo.reset()
     model = ModelConfig.preset("ling_mini_2_0_e64", precision=precision)
     tokens = 4096
     per_token = activation_bytes_per_token(model, 2, tokens)
