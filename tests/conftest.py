@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 # Triton reads TRITON_INTERPRET when a kernel is first decorated/launched; set it before any kernel module
 # is imported so that kernels run on CPU tensors in CI. GPU runs set TRITON_INTERPRET=0 explicitly.
@@ -61,3 +62,15 @@ def triton_interpreter():
         pytest.skip("triton is not installed")
     with fixed_fp8_cast():
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_compile_caches():
+    """Every test file starts with dynamo's caches empty. The model's compiled functions (kernels/fusable.py) are
+    shared by every caller in a process, one graph per shape and grad mode, and dynamo compiles at most 8 per
+    function (its recompile limit) before running a new shape eagerly; an xdist worker that ran other files' models
+    first could otherwise test the eager fallback in place of the compiled ops (docs/benchmarks.md, the GPU suite
+    of 2026-12-05 night). Without torch._dynamo imported nothing was compiled and there is nothing to reset."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    yield
