@@ -50,7 +50,6 @@ def test_the_tiny_plan_part_by_part_as_computed_by_hand():
     }
 
 
-
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_the_zero2_buckets_are_the_parameters_this_rank_holds(ep_size):
     """ZeRO-2's reduce and allgather buckets, capped by ling.train.engine.cap_zero_buckets at the parameters a
@@ -60,6 +59,7 @@ def test_the_zero2_buckets_are_the_parameters_this_rank_holds(ep_size):
     local = split.total - split.experts + split.experts // ep_size
     parts = plan_for(MemorySetup(model, world=2, zero_stage=2, micro_batch_size=2, seq_len=64), split).parts
     assert parts["gradients"] == 4 * split.total / 2 + 2 * 2 * local  # the fp32 partition, two bf16 buckets
+
 
 # One H200, e64 proxy (ling_mini_2_0_e64), ZeRO-1 with fp32 accumulation, seq 4096, grad_accum 8, no recompute:
 # peak torch.cuda.max_memory_allocated in GiB (docs/runtime_scale.md), and rank 0's optimizer state.
