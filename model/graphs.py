@@ -324,7 +324,8 @@ def parameter_aliases(named: Sequence[tuple[str, nn.Parameter]]) -> dict[str, nn
     gives it its own gradient, never touching the parameter's AccumulateGrad. A Parameter, not a plain tensor: the
     compiled functions (kernels/fusable.py) then see the types an eager forward gives them and reuse its dynamo
     graphs and Inductor kernels; a plain tensor makes dynamo compile a second graph, whose Inductor kernels can
-    autotune to another reduction order (other bits than the eager model's)."""
+    autotune to another reduction order, and uses up dynamo's recompile limit sooner, after which the function runs
+    eagerly (either way other bits than the eager model's)."""
     return {n: nn.Parameter(p.detach()) for n, p in named}
 
 

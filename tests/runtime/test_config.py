@@ -10,8 +10,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from ling.config import model_config_from
-from ling.train.engine import build_optimizer
+from ling.train.engine import build_optimizer, cap_zero_buckets
 from ling.train.launch import strip_local_rank_arg
+from ling.train.memory_plan import ZERO_BUCKET_ELEMENTS
 from model.config import PRESETS, ModelConfig
 from tests.helpers import CONF, compose_cfg
 
@@ -113,8 +114,6 @@ def test_zero_buckets_are_capped_at_the_model_size_unless_set():
     """ling.train.engine.cap_zero_buckets: ZeRO-1/2 reduce and allgather buckets, ZeRO-3's reduce bucket, at the
     parameter count rounded up to even when DeepSpeed's default would be larger; a size the user set, ZeRO-0 and a
     model larger than the default are left alone."""
-    from ling.train.engine import cap_zero_buckets
-    from ling.train.memory_plan import ZERO_BUCKET_ELEMENTS
 
     def capped(zero: dict, count: int) -> dict:
         conf = {"zero_optimization": dict(zero)}
