@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scratch: the step bench, fp8@4 and bf16@4 side by side, the fp8 row profiled, clocks sampled
+# scratch: the step bench, $VARIANTS side by side (the kept runs: fp8@4,bf16@4 and fp8_nomtp@4,bf16_nomtp@4;
+# $PROFILE empty, so no row was profiled), clocks sampled
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v -e bitsandbytes -e torchao) 2>&1 | tail -1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
