@@ -66,7 +66,17 @@ from fp8.quant import (
     quantize_1x128_triton,
     quantize_128x128,
 )
-from kernels.backend import HAS_TRITON, cdiv, num_sms, set_descriptor_allocator, tl, tma_compatible, triton, use_triton
+from kernels.backend import (
+    GRID_Y_MAX,
+    HAS_TRITON,
+    cdiv,
+    num_sms,
+    set_descriptor_allocator,
+    tl,
+    tma_compatible,
+    triton,
+    use_triton,
+)
 from kernels.fusable import Fusable
 from kernels.gradient_outputs import GRADIENT_OUTPUTS, check_output
 from kernels.rows import gather_rows, gather_rows_ref, sum_rows
@@ -426,13 +436,13 @@ if HAS_TRITON:
         x_ptr, xs_ptr, idx_ptr, gate_ptr, qt_ptr, st_ptr, offs_ptr, blk_ptr, grp_ptr,
         K, G,
         stride_xm, stride_xk, stride_xsm, stride_xsk, stride_qtk, stride_qtm, stride_stk, stride_stb,
-        BLOCK_F: tl.constexpr, CHUNKS: tl.constexpr, FEATURES_FIRST: tl.constexpr, PROLOGUE: tl.constexpr,
-        HAS_IDX: tl.constexpr, ALIGNED: tl.constexpr, POW2: tl.constexpr,
+        BLOCK_F: tl.constexpr, FEATURES_FIRST: tl.constexpr, PROLOGUE: tl.constexpr, HAS_IDX: tl.constexpr,
+        ALIGNED: tl.constexpr, POW2: tl.constexpr,
     ):  # fmt: skip
-        """1x128 quantization along tokens of CHUNKS [128 tokens, BLOCK_F features] chunks (one after the other)
-        of one segment's token block b (blocks restart at segment starts), written transposed into the block's own
-        columns 128·b : 128·b + 128 of qt [K, 128·max_blocks] (zeros past the segment's end), scales st[:, b].
-        FEATURES_FIRST: program_id(0) walks the features and program_id(1) the blocks (else the other way round).
+        """1x128 quantization along tokens of one [128 tokens, BLOCK_F features] chunk of one segment's token
+        block b (blocks restart at segment starts), written transposed into the block's own columns
+        128·b : 128·b + 128 of qt [K, 128·max_blocks] (zeros past the segment's end), scales st[:, b].
+        FEATURES_FIRST: program_id(0) walks the feature chunks and program_id(1) the blocks (else the other way).
 
         PROLOGUE 0: x is a float [rows, K] tensor (gathered through idx when HAS_IDX, zeros where idx < 0).
         PROLOGUE 2: x is the FP8 SwiGLU input h [M, 2K] with 1x128 scales xs; the chunk is
@@ -453,37 +463,33 @@ if HAS_TRITON:
             left = tl.multiple_of(left, 16)
         rows = row0 + tl.arange(0, 128)
         in_seg = tl.arange(0, 128) < left
+        offs_k = pid_k * BLOCK_F + tl.arange(0, BLOCK_F)
+        k_ok = offs_k < K
         if HAS_IDX:
             src = tl.load(idx_ptr + rows, mask=in_seg, other=-1)
             ok = src >= 0
         else:
             src = rows
             ok = in_seg
+        mask = ok[:, None] & k_ok[None, :]
         if PROLOGUE == 2:
+            kb = pid_k * BLOCK_F // 128
+            hg = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+            hu = tl.load(x_ptr + src[:, None] * stride_xm + (K + offs_k)[None, :] * stride_xk, mask=mask, other=0.0)
+            sg = tl.load(xs_ptr + src * stride_xsm + kb * stride_xsk, mask=ok, other=0.0)
+            su = tl.load(xs_ptr + src * stride_xsm + (K // 128 + kb) * stride_xsk, mask=ok, other=0.0)
+            hg = hg.to(tl.float32) * sg[:, None]
+            hu = hu.to(tl.float32) * su[:, None]
             w = tl.load(gate_ptr + rows, mask=ok, other=0.0)
+            v = hg / (1.0 + tl.exp(-hg)) * hu * w[:, None]
+        else:
+            v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+            v = v.to(tl.float32)
+        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
+        q = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
         cols = pid_b * 128 + tl.arange(0, 128)  # the whole block: its rows past the segment's end are zeros
-        for c in tl.static_range(CHUNKS):
-            offs_k = (pid_k * CHUNKS + c) * BLOCK_F + tl.arange(0, BLOCK_F)
-            k_ok = offs_k < K
-            mask = ok[:, None] & k_ok[None, :]
-            if PROLOGUE == 2:
-                kb = (pid_k * CHUNKS + c) * BLOCK_F // 128
-                hp = x_ptr + src[:, None] * stride_xm
-                hg = tl.load(hp + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
-                hu = tl.load(hp + (K + offs_k)[None, :] * stride_xk, mask=mask, other=0.0)
-                s_ok = ok & (tl.zeros_like(src) + (pid_k * CHUNKS + c) * BLOCK_F < K)  # none past K
-                sg = tl.load(xs_ptr + src * stride_xsm + kb * stride_xsk, mask=s_ok, other=0.0)
-                su = tl.load(xs_ptr + src * stride_xsm + (K // 128 + kb) * stride_xsk, mask=s_ok, other=0.0)
-                hg = hg.to(tl.float32) * sg[:, None]
-                hu = hu.to(tl.float32) * su[:, None]
-                v = hg / (1.0 + tl.exp(-hg)) * hu * w[:, None]
-            else:
-                v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
-                v = v.to(tl.float32)
-            scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
-            q = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
-            tl.store(qt_ptr + offs_k[None, :] * stride_qtk + cols[:, None] * stride_qtm, q, mask=k_ok[None, :])
-            tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
+        tl.store(qt_ptr + offs_k[None, :] * stride_qtk + cols[:, None] * stride_qtm, q, mask=k_ok[None, :])
+        tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
 
     @triton.jit
     def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
@@ -599,7 +605,8 @@ class GroupedConfig:
     and two resident programs of small tiles overlap one tile's epilogue with the other's loads. 8 rows per
     SwiGLU program. The token-dim quantizers: 16 features of a 128-token block per one-warp program (the many
     small programs hide the gathered loads' latency; fusing the token-dim quantizers into the row quantizer or the
-    SwiGLU backward measured 1.75-2.4x slower, docs/kernel_tuning.md)."""
+    SwiGLU backward measured 1.75-2.4x slower, docs/kernel_tuning.md), a block's feature chunks launched together
+    except for the gathered tokens (H100 sweep, 2026-12-06)."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
@@ -614,10 +621,14 @@ class GroupedConfig:
     sm90_wgrad_max_blocks: int = 8
     swiglu_block_m: int = 8  # rows per program of swiglu_quantize
     swiglu_bwd_block_m: int = 8  # rows per program of swiglu_backward
-    tokens_block_f: int = 16  # features per chunk of the token-dim quantizers (quantize_tokens_grouped); divides 128
-    tokens_chunks: int = 1  # chunks per program of the token-dim quantizers, one after the other
-    tokens_features_first: bool = False  # their grid walks the features first (a block's chunks launch together)
+    tokens_block_f: int = 16  # features per program of the token-dim quantizers (quantize_tokens_grouped); divides 128
     tokens_warps: int = 1  # warps per program of the token-dim quantizers
+    # their grid order: the feature chunks of one token block launch together for the operands read in place (dh,
+    # the SwiGLU output: neighbouring programs read neighbouring bytes of the same rows), while the gathered tokens
+    # walk the blocks first (one feature chunk of every block together: the top-k copies of a token then read its
+    # chunk from L2 after the first); both as measured (docs/kernel_tuning.md, 2026-12-06)
+    tokens_features_first: bool = True
+    gathered_features_first: bool = False
 
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
@@ -777,21 +788,21 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
     st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
     if rows.num_rows and k:
         tuning = GROUPED_TUNING.current()
-        bf, chunks = tuning.tokens_block_f, tuning.tokens_chunks
+        bf = tuning.tokens_block_f
         if BLOCK % bf:  # a chunk must lie inside one 128-wide block of the input scales
             raise ValueError(f"GroupedConfig.tokens_block_f must divide {BLOCK}, got {bf}")
-        if chunks < 1:
-            raise ValueError(f"GroupedConfig.tokens_chunks must be at least 1, got {chunks}")
         dummy = st
         xs_ = xs if xs is not None else dummy
-        grid = (nb, cdiv(k, bf * chunks))
-        _quant_tokens_grouped_kernel[grid[::-1] if tuning.tokens_features_first else grid](
+        features_first = tuning.gathered_features_first if row_idx is not None else tuning.tokens_features_first
+        features_first = features_first and nb <= GRID_Y_MAX
+        grid = (cdiv(k, bf), nb) if features_first else (nb, cdiv(k, bf))
+        _quant_tokens_grouped_kernel[grid](
             x, xs_, row_idx if row_idx is not None else dummy, gate if gate is not None else dummy, qt, st,
             rows.offsets, rows.block_offsets(), rows.block_groups(), k, rows.num_groups,
             x.stride(0), x.stride(1), xs_.stride(0), xs_.stride(1), qt.stride(0), qt.stride(1), st.stride(0),
             st.stride(1),
-            BLOCK_F=bf, CHUNKS=chunks, FEATURES_FIRST=tuning.tokens_features_first, PROLOGUE=prologue,
-            HAS_IDX=row_idx is not None, ALIGNED=rows.alignment % 16 == 0, POW2=pow2, num_warps=tuning.tokens_warps,
+            BLOCK_F=bf, FEATURES_FIRST=features_first, PROLOGUE=prologue, HAS_IDX=row_idx is not None,
+            ALIGNED=rows.alignment % 16 == 0, POW2=pow2, num_warps=tuning.tokens_warps,
         )  # fmt: skip
     return qt, st
 

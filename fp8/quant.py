@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8.format import BLOCK, E4M3, E4M3_MAX, OPERAND_AMAX_FLOOR, col_major
-from kernels.backend import HAS_TRITON, cdiv, tl, triton, use_triton
+from kernels.backend import GRID_Y_MAX, HAS_TRITON, cdiv, tl, triton, use_triton
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
@@ -202,13 +202,12 @@ if HAS_TRITON:
     def _quant_tokens_kernel(
         x_ptr, xs_ptr, qt_ptr, st_ptr, M, K,
         stride_xm, stride_xk, stride_xsm, stride_xsk, stride_qtk, stride_qtm, stride_stk, stride_stm,
-        BLOCK_F: tl.constexpr, CHUNKS: tl.constexpr, FEATURES_FIRST: tl.constexpr, HAS_IN_SCALE: tl.constexpr,
-        POW2: tl.constexpr,
+        BLOCK_F: tl.constexpr, FEATURES_FIRST: tl.constexpr, HAS_IN_SCALE: tl.constexpr, POW2: tl.constexpr,
     ):  # fmt: skip
-        """1x128 quantization along the token dim M of CHUNKS [128, BLOCK_F] chunks of x [M, K] (a whole
-        128-token block, BLOCK_F features at a time), written transposed into [K, M]; optionally x is E4M3 with
-        1x128 scales along K and is dequantized in registers first. FEATURES_FIRST: program_id(0) walks the
-        features and program_id(1) the token blocks (else the other way round).
+        """1x128 quantization along the token dim M of one [128, BLOCK_F] chunk of x [M, K] (a whole 128-token
+        block of BLOCK_F features), written transposed into [K, M]; optionally x is E4M3 with 1x128 scales
+        along K and is dequantized in registers first. FEATURES_FIRST: program_id(0) walks the feature chunks
+        and program_id(1) the token blocks (else the other way round).
 
         Narrow chunks keep few registers live, so many programs per SM hide the memory latency (figures:
         docs/kernel_tuning.md)."""
@@ -219,23 +218,20 @@ if HAS_TRITON:
             pid_m = tl.program_id(0)
             pid_k = tl.program_id(1)
         offs_m = pid_m * 128 + tl.arange(0, 128)
+        offs_k = pid_k * BLOCK_F + tl.arange(0, BLOCK_F)
         m_ok = offs_m < M
-        for c in tl.static_range(CHUNKS):
-            chunk = pid_k * CHUNKS + c
-            offs_k = chunk * BLOCK_F + tl.arange(0, BLOCK_F)
-            k_ok = offs_k < K
-            mask = m_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            if HAS_IN_SCALE:  # a chunk lies inside one 128-wide K block of the input scales
-                xs = tl.load(xs_ptr + offs_m * stride_xsm + (chunk * BLOCK_F // 128) * stride_xsk,
-                             mask=m_ok & (offs_m * 0 + chunk * BLOCK_F < K), other=0.0)  # fmt: skip
-                x = x * xs[:, None]
-            scale = scale_from_amax_tl(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), POW2)
-            q = tl.math.div_rn(x, scale[None, :]).to(tl.float8e4nv)
-            # transposed store by address arithmetic (the compiler moves the bytes through shared memory)
-            tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_m[:, None] * stride_qtm, q, mask=mask)
-            tl.store(st_ptr + offs_k * stride_stk + pid_m * stride_stm, scale, mask=k_ok)
+        k_ok = offs_k < K
+        mask = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if HAS_IN_SCALE:  # a chunk lies inside one 128-wide K block of the input scales
+            xs = tl.load(xs_ptr + offs_m * stride_xsm + (pid_k * BLOCK_F // 128) * stride_xsk, mask=m_ok, other=0.0)
+            x = x * xs[:, None]
+        scale = scale_from_amax_tl(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), POW2)
+        q = tl.math.div_rn(x, scale[None, :]).to(tl.float8e4nv)
+        # transposed store by address arithmetic (the compiler moves the bytes through shared memory)
+        tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_m[:, None] * stride_qtm, q, mask=mask)
+        tl.store(st_ptr + offs_k * stride_stk + pid_m * stride_stm, scale, mask=k_ok)
 
     @triton.jit
     def _quant_128x128_kernel(
@@ -295,14 +291,14 @@ if HAS_TRITON:
 class QuantConfig:
     """Launch shape of the quantize kernels; every choice gives the same bits (tests/fp8/test_fp8_quant.py).
 
-    The defaults: quantize_1x128_dual runs the row kernel, then the token-dim kernel over narrow chunks (32
-    features, 4 warps), which on the H200 beat every fused one-read kernel tried (docs/kernel_tuning.md)."""
+    The defaults: quantize_1x128_dual runs the row kernel, then the token-dim kernel over narrow chunks (16
+    features, one warp, the feature chunks of a token block launched together), which beat every fused one-read
+    kernel tried on the H200 and the other chunk shapes and grid orders on the H100 (docs/kernel_tuning.md)."""
 
     row_block_m: int = 64  # rows per program of the 1x128 row kernel
-    col_block_f: int = 32  # features per chunk of the token-dim kernel; divides 128 (fp8/grouped.py has its own)
-    col_chunks: int = 1  # chunks per program of the token-dim kernel, one after the other
-    col_features_first: bool = False  # the token-dim kernel's grid walks the features first
-    col_warps: int = 4  # warps per program of the token-dim kernels
+    col_block_f: int = 16  # features per program of the token-dim kernel; divides 128 (fp8/grouped.py has its own)
+    col_warps: int = 1  # warps per program of the token-dim kernels
+    col_features_first: bool = True  # the token-dim kernel's grid walks a block's feature chunks first
     transpose_block: int = 64  # square tile of the FP8 transpose
     trans32: bool = True  # transpose widened to 32-bit lanes (byte transposes take a slow path)
 
@@ -343,17 +339,16 @@ def _launch_tokens(
     if m and k:
         xs = x_scale if x_scale is not None else st  # placeholder, never read without HAS_IN_SCALE
         cfg = QUANT_TUNING.current()
-        bf, chunks = cfg.col_block_f, cfg.col_chunks
+        bf = cfg.col_block_f
         if BLOCK % bf:  # a chunk must lie inside one 128-wide K block (input scales, tails)
             raise ValueError(f"QuantConfig.col_block_f must divide {BLOCK}, got {bf}")
-        if chunks < 1:
-            raise ValueError(f"QuantConfig.col_chunks must be at least 1, got {chunks}")
-        grid = (cdiv(m, BLOCK), cdiv(k, bf * chunks))
-        _quant_tokens_kernel[grid[::-1] if cfg.col_features_first else grid](
+        features_first = cfg.col_features_first and cdiv(m, BLOCK) <= GRID_Y_MAX
+        grid = (cdiv(k, bf), cdiv(m, BLOCK)) if features_first else (cdiv(m, BLOCK), cdiv(k, bf))
+        _quant_tokens_kernel[grid](
             x, xs, qt, st, m, k, x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
             qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
-            BLOCK_F=bf, CHUNKS=chunks, FEATURES_FIRST=cfg.col_features_first, HAS_IN_SCALE=x_scale is not None,
-            POW2=pow2_scales, num_warps=cfg.col_warps,
+            BLOCK_F=bf, FEATURES_FIRST=features_first, HAS_IN_SCALE=x_scale is not None, POW2=pow2_scales,
+            num_warps=cfg.col_warps,
         )  # fmt: skip
     return qt, st
 

@@ -22,6 +22,7 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 __all__ = [
+    "GRID_Y_MAX",
     "HAS_TRITON",
     "cdiv",
     "interpreting",
@@ -32,6 +33,9 @@ __all__ = [
     "triton",
     "use_triton",
 ]
+
+
+GRID_Y_MAX = 65535  # CUDA's limit on a launch grid's second (and third) dimension; the first takes 2**31 - 1
 
 
 def cdiv(a: int, b: int) -> int:

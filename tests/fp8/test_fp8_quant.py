@@ -77,9 +77,9 @@ def test_quantize_128x128_bit_exact(device, shape, pow2, request):
         {},
         {"col_block_f": 64, "col_warps": 8, "row_block_m": 32},
         {"col_block_f": 128, "trans32": False},
-        {"col_block_f": 16, "col_chunks": 3, "col_features_first": True},  # chunks wholly past K, grid swapped
+        {"col_block_f": 32, "col_warps": 4, "col_features_first": False},  # the grid walking the blocks first
     ],
-    ids=["default", "f64-w8", "f128", "f16x3-features-first"],
+    ids=["default", "f64-w8", "f128", "f32-w4-blocks-first"],
 )
 def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, request):
     setup_device(device, request)
