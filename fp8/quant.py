@@ -171,13 +171,19 @@ if HAS_TRITON:
         x_ptr, q_ptr, s_ptr, idx_ptr, total_ptr, M, K,
         stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sk,
         BLOCK_M: tl.constexpr, POW2: tl.constexpr, HAS_IDX: tl.constexpr, HAS_TOTAL: tl.constexpr,
+        FEATURES_FIRST: tl.constexpr,
     ):  # fmt: skip
         """1x128 quantization along K of one [BLOCK_M, 128] tile (one K block of BLOCK_M rows) of x [M, K].
 
         HAS_IDX: output row r reads x row idx[r] (a gather; idx < 0 gives a zero row). HAS_TOTAL: rows from
-        total[0] on are not needed; programs that start there return at once and leave them unwritten."""
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        total[0] on are not needed; programs that start there return at once and leave them unwritten.
+        FEATURES_FIRST: program_id(0) walks the K blocks and program_id(1) the rows (else the other way round)."""
+        if FEATURES_FIRST:
+            pid_m = tl.program_id(1)
+            pid_k = tl.program_id(0)
+        else:
+            pid_m = tl.program_id(0)
+            pid_k = tl.program_id(1)
         if HAS_TOTAL:
             if pid_m * BLOCK_M >= tl.load(total_ptr):
                 return
@@ -296,6 +302,8 @@ class QuantConfig:
     kernel tried on the H200 and the other chunk shapes and grid orders on the H100 (docs/kernel_tuning.md)."""
 
     row_block_m: int = 64  # rows per program of the 1x128 row kernel
+    row_features_first: bool = False  # the row kernel's grid walks a row block's K blocks first (x read in place)
+    gathered_row_features_first: bool = False  # ... and where it gathers its rows (the routed tokens)
     col_block_f: int = 16  # features per program of the token-dim kernel; divides 128 (fp8/grouped.py has its own)
     col_warps: int = 1  # warps per program of the token-dim kernels
     col_features_first: bool = True  # the token-dim kernel's grid walks a block's feature chunks first
@@ -319,12 +327,17 @@ def quantize_1x128_triton(
     q = torch.empty(m, k, device=x.device, dtype=E4M3)
     s = torch.empty(cdiv(k, BLOCK), m, device=x.device, dtype=torch.float32).t()
     if m and k:
-        bm = QUANT_TUNING.current().row_block_m
+        cfg = QUANT_TUNING.current()
+        bm = cfg.row_block_m
+        features_first = (cfg.gathered_row_features_first if row_idx is not None else cfg.row_features_first) and \
+            cdiv(m, bm) <= GRID_Y_MAX
+        grid = (cdiv(k, BLOCK), cdiv(m, bm)) if features_first else (cdiv(m, bm), cdiv(k, BLOCK))
         dummy = s  # placeholder pointer, never read without HAS_IDX / HAS_TOTAL
-        _quant_rows_kernel[(cdiv(m, bm), cdiv(k, BLOCK))](
+        _quant_rows_kernel[grid](
             x, q, s, row_idx if row_idx is not None else dummy, total if total is not None else dummy, m, k,
             x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-            BLOCK_M=bm, POW2=pow2_scales, HAS_IDX=row_idx is not None, HAS_TOTAL=total is not None, num_warps=4,
+            BLOCK_M=bm, POW2=pow2_scales, HAS_IDX=row_idx is not None, HAS_TOTAL=total is not None,
+            FEATURES_FIRST=features_first, num_warps=4,
         )  # fmt: skip
     return q, s
 

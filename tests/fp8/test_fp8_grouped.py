@@ -29,7 +29,7 @@ from fp8.grouped import (
     token_columns,
     wgrad_sm90_config,
 )
-from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
+from fp8.quant import QUANT_TUNING, dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128
 from kernels.rows import gather_rows, sum_rows
 from model.dispatch import plan_dispatch
 from tests.helpers import DEVICES, bits_equal, data_rows, layout, rel, setup_device
@@ -128,9 +128,11 @@ def test_gathered_and_per_segment_quantizers_are_bit_exact(device, alignment, re
     for lo, hi in segs:
         row_src[lo:hi] = torch.randint(0, 300, (hi - lo,), dtype=torch.int32)
     row_src = row_src.to(device)
-    q, s = quantize_rows_gathered(tokens, row_src, rows, backend="triton")
     q_ref, s_ref = quantize_rows_gathered(tokens.cpu(), row_src.cpu(), backend="torch")
-    assert bits_equal(used(q, rows), used(q_ref, rows)) and torch.equal(used(s, rows), used(s_ref, rows))
+    for order in (False, True):  # the grid's order changes no bit
+        with QUANT_TUNING.override(gathered_row_features_first=order):
+            q, s = quantize_rows_gathered(tokens, row_src, rows, backend="triton")
+        assert bits_equal(used(q, rows), used(q_ref, rows)) and torch.equal(used(s, rows), used(s_ref, rows))
     qt_ref, st_ref = quantize_tokens_grouped_ref(tokens.cpu(), _cpu(rows), row_src.cpu())
     nb = int(rows.block_offsets()[-1])
     for chunk in ({}, {"tokens_block_f": 128, "tokens_warps": 8}, {"tokens_block_f": 16, "tokens_warps": 2},
