@@ -346,10 +346,13 @@ def run_quant(m: int, log: dict, sweep: bool) -> tuple[list[list[str]], dict]:
         ("fp8_transpose_128x128 [10240,2048]", lambda: fp8_transpose_128x128(wq, ws), wq.numel() * 2),
     ]
     best = None
-    sweeps = (  # token-dim chunk width and warps (run 1 of this session also timed fused one-read dual kernels)
-        {"col_block_f": 32, "col_warps": 4},
+    sweeps = (  # token-dim chunk width, warps and grid order, the row kernel's grid order (docs/kernel_tuning.md)
+        {"col_block_f": 16, "col_warps": 1, "col_features_first": True},
+        {"col_block_f": 16, "col_warps": 1, "col_features_first": False},
+        {"col_block_f": 32, "col_warps": 4, "col_features_first": False},
+        {"col_block_f": 32, "col_warps": 4, "col_features_first": True},
         {"col_block_f": 64, "col_warps": 4},
-        {"col_block_f": 64, "col_warps": 8},
+        {"row_features_first": True},
     )
     for opts in sweeps if sweep else (dataclasses.asdict(QUANT_TUNING.current()),):
         tot = 0.0
