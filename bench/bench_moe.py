@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fp8_linear import SM90_SWEEP, gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
-from fp8.quant import fp8_transpose_128x128, quantize_1x128  # noqa: E402
+from fp8.quant import QUANT_TUNING, fp8_transpose_128x128, quantize_1x128  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
 from model.graphs import LayerGraphs  # noqa: E402
@@ -355,7 +355,8 @@ def padded_fraction(tokens: int, experts: int) -> dict:
 
 def sweep(tokens: int, experts: int) -> list[dict]:
     """Tile configurations of the forward/dgrad kernel on the three fprop shapes and of the wgrad kernel on both
-    wgrad shapes, and the row blocks of the SwiGLU kernels; returns timings (TFLOPS or ms)."""
+    wgrad shapes, the row blocks of the SwiGLU kernels, the token-dim quantizers' chunks, warps and grid orders and
+    the gathered row quantizer's grid order; returns timings (TFLOPS or ms)."""
     idx, gates = routing(tokens, experts)
     plan = plan_dispatch(idx, experts, 16)
     rows = plan.rows
@@ -413,8 +414,20 @@ def sweep(tokens: int, experts: int) -> list[dict]:
             timed("swiglu fwd", f"block_m={bm}", lambda: G.swiglu_quantize(h, row_gate, rows), None)
             timed("swiglu bwd", f"block_m={bm}", lambda: G.swiglu_backward(h_q, h_s, da, row_gate, rows), None)
     x = rand(tokens, H)
-    timed("tokens quant (gathered x)", "default", lambda: G.quantize_tokens_grouped(x, rows, plan.row_src), None)
-    timed("rows quant (gathered x)", "default", lambda: G.quantize_rows_gathered(x, plan.row_src, rows), None)
+    dh = rand(rows.num_rows, 2 * INTER)
+    for f, warps in ((16, 1), (16, 2), (32, 2)):  # the token-dim quantizers: chunk, warps and both grid orders
+        for ff in (True, False):
+            cfg = dict(tokens_block_f=f, tokens_warps=warps, tokens_features_first=ff, gathered_features_first=ff)
+            with G.GROUPED_TUNING.override(**cfg):
+                timed("tokens quant (gathered x)", str(cfg), lambda: G.quantize_tokens_grouped(x, rows, plan.row_src),
+                      None)  # fmt: skip
+                timed("tokens quant (dh)", str(cfg), lambda: G.quantize_tokens_grouped(dh, rows), None)
+                timed("tokens quant (SwiGLU output)", str(cfg),
+                      lambda: G.swiglu_quantize_tokens(h_q, h_s, row_gate, rows), None)  # fmt: skip
+    for ff in (False, True):  # the row kernel's grid order (fp8/quant.py's QuantConfig)
+        with QUANT_TUNING.override(gathered_row_features_first=ff):
+            timed("rows quant (gathered x)", f"gathered_row_features_first={ff}",
+                  lambda: G.quantize_rows_gathered(x, plan.row_src, rows), None)  # fmt: skip
     return out
 
 
