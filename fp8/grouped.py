@@ -67,8 +67,8 @@ from fp8.quant import (
     quantize_128x128,
 )
 from kernels.backend import (
-    GRID_Y_MAX,
     HAS_TRITON,
+    blocks_by_chunks_grid,
     cdiv,
     num_sms,
     set_descriptor_allocator,
@@ -85,7 +85,7 @@ from kernels.tuning import Tuning
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8.triton_blocks import b_scale_ptrs, promote, scale_from_amax_tl, tma_k_loop
+    from fp8.triton_blocks import b_scale_ptrs, block_and_chunk, promote, scale_from_amax_tl, tma_k_loop
 
 __all__ = [
     "GroupedRows",
@@ -447,12 +447,7 @@ if HAS_TRITON:
         PROLOGUE 0: x is a float [rows, K] tensor (gathered through idx when HAS_IDX, zeros where idx < 0).
         PROLOGUE 2: x is the FP8 SwiGLU input h [M, 2K] with 1x128 scales xs; the chunk is
         a = silu(h_gate)·h_up·gate[row], recomputed in registers."""
-        if FEATURES_FIRST:
-            pid_b = tl.program_id(1)
-            pid_k = tl.program_id(0)
-        else:
-            pid_b = tl.program_id(0)
-            pid_k = tl.program_id(1)
+        pid_b, pid_k = block_and_chunk(FEATURES_FIRST)
         if pid_b >= tl.load(blk_ptr + G):
             return
         g = tl.load(grp_ptr + pid_b)  # GroupedRows.block_groups
@@ -794,8 +789,7 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
         dummy = st
         xs_ = xs if xs is not None else dummy
         features_first = tuning.gathered_features_first if row_idx is not None else tuning.tokens_features_first
-        features_first = features_first and nb <= GRID_Y_MAX
-        grid = (cdiv(k, bf), nb) if features_first else (nb, cdiv(k, bf))
+        grid, features_first = blocks_by_chunks_grid(nb, cdiv(k, bf), features_first)
         _quant_tokens_grouped_kernel[grid](
             x, xs_, row_idx if row_idx is not None else dummy, gate if gate is not None else dummy, qt, st,
             rows.offsets, rows.block_offsets(), rows.block_groups(), k, rows.num_groups,

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8.format import BLOCK, E4M3, E4M3_MAX, OPERAND_AMAX_FLOOR, col_major
-from kernels.backend import GRID_Y_MAX, HAS_TRITON, cdiv, tl, triton, use_triton
+from kernels.backend import HAS_TRITON, blocks_by_chunks_grid, cdiv, tl, triton, use_triton
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    from fp8.triton_blocks import scale_from_amax_tl
+    from fp8.triton_blocks import block_and_chunk, scale_from_amax_tl
 
 __all__ = [
     "BLOCK",
@@ -178,12 +178,7 @@ if HAS_TRITON:
         HAS_IDX: output row r reads x row idx[r] (a gather; idx < 0 gives a zero row). HAS_TOTAL: rows from
         total[0] on are not needed; programs that start there return at once and leave them unwritten.
         FEATURES_FIRST: program_id(0) walks the K blocks and program_id(1) the rows (else the other way round)."""
-        if FEATURES_FIRST:
-            pid_m = tl.program_id(1)
-            pid_k = tl.program_id(0)
-        else:
-            pid_m = tl.program_id(0)
-            pid_k = tl.program_id(1)
+        pid_m, pid_k = block_and_chunk(FEATURES_FIRST)
         if HAS_TOTAL:
             if pid_m * BLOCK_M >= tl.load(total_ptr):
                 return
@@ -217,12 +212,7 @@ if HAS_TRITON:
 
         Narrow chunks keep few registers live, so many programs per SM hide the memory latency (figures:
         docs/kernel_tuning.md)."""
-        if FEATURES_FIRST:
-            pid_m = tl.program_id(1)
-            pid_k = tl.program_id(0)
-        else:
-            pid_m = tl.program_id(0)
-            pid_k = tl.program_id(1)
+        pid_m, pid_k = block_and_chunk(FEATURES_FIRST)
         offs_m = pid_m * 128 + tl.arange(0, 128)
         offs_k = pid_k * BLOCK_F + tl.arange(0, BLOCK_F)
         m_ok = offs_m < M
@@ -329,9 +319,8 @@ def quantize_1x128_triton(
     if m and k:
         cfg = QUANT_TUNING.current()
         bm = cfg.row_block_m
-        features_first = (cfg.gathered_row_features_first if row_idx is not None else cfg.row_features_first) and \
-            cdiv(m, bm) <= GRID_Y_MAX
-        grid = (cdiv(k, BLOCK), cdiv(m, bm)) if features_first else (cdiv(m, bm), cdiv(k, BLOCK))
+        features_first = cfg.gathered_row_features_first if row_idx is not None else cfg.row_features_first
+        grid, features_first = blocks_by_chunks_grid(cdiv(m, bm), cdiv(k, BLOCK), features_first)
         dummy = s  # placeholder pointer, never read without HAS_IDX / HAS_TOTAL
         _quant_rows_kernel[grid](
             x, q, s, row_idx if row_idx is not None else dummy, total if total is not None else dummy, m, k,
@@ -355,8 +344,7 @@ def _launch_tokens(
         bf = cfg.col_block_f
         if BLOCK % bf:  # a chunk must lie inside one 128-wide K block (input scales, tails)
             raise ValueError(f"QuantConfig.col_block_f must divide {BLOCK}, got {bf}")
-        features_first = cfg.col_features_first and cdiv(m, BLOCK) <= GRID_Y_MAX
-        grid = (cdiv(k, bf), cdiv(m, BLOCK)) if features_first else (cdiv(m, BLOCK), cdiv(k, bf))
+        grid, features_first = blocks_by_chunks_grid(cdiv(m, BLOCK), cdiv(k, bf), cfg.col_features_first)
         _quant_tokens_kernel[grid](
             x, xs, qt, st, m, k, x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),
             qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),

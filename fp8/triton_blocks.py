@@ -1,6 +1,6 @@
 """Triton building blocks shared by the FP8 kernels of fp8/quant.py, fp8/gemm.py and fp8/grouped.py: a block's
 scale from its amax, the pointers to B's scales, the per-K-block promotion of a partial product, and the K loop of
-the TMA GEMMs built from them (`tma_k_loop`).
+the TMA GEMMs built from them (`tma_k_loop`), and a (row block, feature chunk) program's ids (`block_and_chunk`).
 
 Defined only when Triton imports (`kernels.backend.HAS_TRITON`: import them under the same condition); they are
 `@triton.jit` functions, callable from kernels only.
@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from kernels.backend import HAS_TRITON, tl, triton
 
-__all__ = ["b_scale_ptrs", "promote", "scale_from_amax_tl", "tma_k_loop"]
+__all__ = ["b_scale_ptrs", "block_and_chunk", "promote", "scale_from_amax_tl", "tma_k_loop"]
 
 if HAS_TRITON:
+
+    @triton.jit
+    def block_and_chunk(FEATURES_FIRST: tl.constexpr):
+        """(row block, feature chunk) of this program in a grid from `kernels.backend.blocks_by_chunks_grid`:
+        program_id(0) walks the chunks when FEATURES_FIRST, else the blocks."""
+        if FEATURES_FIRST:
+            return tl.program_id(1), tl.program_id(0)
+        return tl.program_id(0), tl.program_id(1)
 
     @triton.jit
     def scale_from_amax_tl(amax, nan_count, POW2: tl.constexpr):

@@ -24,6 +24,7 @@ except Exception:  # pragma: no cover - depends on the environment
 __all__ = [
     "GRID_Y_MAX",
     "HAS_TRITON",
+    "blocks_by_chunks_grid",
     "cdiv",
     "interpreting",
     "num_sms",
@@ -40,6 +41,15 @@ GRID_Y_MAX = 65535  # CUDA's limit on a launch grid's second (and third) dimensi
 
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def blocks_by_chunks_grid(blocks: int, chunks: int, features_first: bool) -> tuple[tuple[int, int], bool]:
+    """The 2-D launch grid of a kernel with one program per (row block, feature chunk), and whether it walks the
+    chunks first: (chunks, blocks) when `features_first` and the blocks fit the grid's second dimension
+    (GRID_Y_MAX), else (blocks, chunks). The kernel maps its program ids back with
+    `fp8.triton_blocks.block_and_chunk` and the returned flag."""
+    features_first = features_first and blocks <= GRID_Y_MAX
+    return ((chunks, blocks) if features_first else (blocks, chunks)), features_first
 
 
 def use_triton(t: torch.Tensor, backend: str | None) -> bool:

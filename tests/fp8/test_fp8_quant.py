@@ -22,6 +22,7 @@ from fp8.quant import (
     quantize_128x128_ref,
     quantize_128x128_with_transpose,
 )
+from kernels.backend import GRID_Y_MAX, blocks_by_chunks_grid
 from tests.helpers import DEVICES, bits_equal, setup_device
 
 SHAPES = [(200, 300), (128, 256), (7, 129), (1, 1)]
@@ -100,6 +101,15 @@ def test_quantize_transposed_and_dual_bit_exact(device, shape, pow2, opts, reque
         outs = quantize_1x128_dual(x, pow2, backend="triton")
         refs = quantize_1x128_dual(x.cpu(), pow2, backend="torch")
         assert all(bits_equal(a, b) for a, b in zip(outs, refs))
+
+
+def test_the_chunks_first_grid_falls_back_where_the_blocks_exceed_the_second_dimension():
+    """The quantizers' (row block, feature chunk) grids: chunks first when asked and the blocks fit CUDA's 65,535
+    limit on a grid's second dimension, else blocks first, and the flag the kernel gets says which."""
+    assert blocks_by_chunks_grid(10, 3, True) == ((3, 10), True)
+    assert blocks_by_chunks_grid(10, 3, False) == ((10, 3), False)
+    assert blocks_by_chunks_grid(GRID_Y_MAX, 3, True) == ((3, GRID_Y_MAX), True)
+    assert blocks_by_chunks_grid(GRID_Y_MAX + 1, 3, True) == ((GRID_Y_MAX + 1, 3), False)
 
 
 def test_scale_definition():
