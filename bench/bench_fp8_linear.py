@@ -352,7 +352,7 @@ def run_quant(m: int, log: dict, sweep: bool) -> tuple[list[list[str]], dict]:
         {"col_block_f": 32, "col_warps": 4, "col_features_first": False},
         {"col_block_f": 32, "col_warps": 4, "col_features_first": True},
         {"col_block_f": 64, "col_warps": 4},
-        {"row_features_first": True},
+        {"row_features_first": False},
     )
     for opts in sweeps if sweep else (dataclasses.asdict(QUANT_TUNING.current()),):
         tot = 0.0

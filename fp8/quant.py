@@ -289,11 +289,12 @@ class QuantConfig:
 
     The defaults: quantize_1x128_dual runs the row kernel, then the token-dim kernel over narrow chunks (16
     features, one warp, the feature chunks of a token block launched together), which beat every fused one-read
-    kernel tried on the H200 and the other chunk shapes and grid orders on the H100 (docs/kernel_tuning.md)."""
+    kernel tried on the H200 and the other chunk shapes and grid orders on the H100; the row kernel launches a row
+    block's K blocks together, except where it gathers the routed tokens (docs/kernel_tuning.md)."""
 
     row_block_m: int = 64  # rows per program of the 1x128 row kernel
-    row_features_first: bool = False  # the row kernel's grid walks a row block's K blocks first (x read in place)
-    gathered_row_features_first: bool = False  # ... and where it gathers its rows (the routed tokens)
+    row_features_first: bool = True  # the row kernel's grid walks a row block's K blocks first (x read in place)
+    gathered_row_features_first: bool = False  # ... and where it gathers its rows (the routed tokens): rows first
     col_block_f: int = 16  # features per program of the token-dim kernel; divides 128 (fp8/grouped.py has its own)
     col_warps: int = 1  # warps per program of the token-dim kernels
     col_features_first: bool = True  # the token-dim kernel's grid walks a block's feature chunks first
