@@ -13,7 +13,8 @@ trials until one runs out of memory or passes `--max-micro`, then measured; the 
 table). Each is a
 fresh `python train.py` process (so peak memory is its own) on synthetic data, under `deepspeed=--deepspeed`
 (default zero1, the GPU experiments'; the `*_zero2` rows and an `--extra` naming the group override it);
-the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU),
+the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU)
+and the slowest and fastest of those steps' tokens/s (the row's spread: a host stall shows there),
 the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
 speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
 memory is an "OOM" row. `--profile V1,V2` runs those variants' last step under torch.profiler
@@ -160,12 +161,14 @@ def run_variant(spec: str, args, profile_step: int | None = None, python_step: i
 
 def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) -> dict:
     """A train.py run's metrics.jsonl → medians over the steps after `warmup` but `skip_steps` (tokens/s global,
-    TFLOPS and MFU per GPU), the peak memory over all steps, the optimizer state (logged once), the first and
-    last loss."""
+    TFLOPS and MFU per GPU) and the slowest and fastest of those steps' tokens/s (the row's spread), the peak memory
+    over all steps, the optimizer state (logged once), the first and last loss."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows[warmup:] if r["step"] not in skip_steps] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
-    return {"tokens_per_s": med("tokens_per_s"), "tflops": med("tflops_per_gpu"),
+    speeds = [r["tokens_per_s"] for r in timed if r.get("tokens_per_s") is not None]
+    return {"tokens_per_s": med("tokens_per_s"), "tokens_per_s_range": (min(speeds), max(speeds)),
+            "tflops": med("tflops_per_gpu"),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
             "optim_state_gib": next((r["optim_state_gib"] for r in rows if "optim_state_gib" in r), float("nan")),
@@ -173,7 +176,7 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
 
 
 HEADER = ["variant", "micro-batch", "recompute", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB",
-          "vs bf16", "optimizer state GiB", "loss first→last"]
+          "vs bf16", "optimizer state GiB", "loss first→last", "tokens/s, slowest–fastest timed step"]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
@@ -194,9 +197,10 @@ def table_rows(results: list[dict]) -> list[list[str]]:
         base = baseline(r)
         speed, mem = (f"{r[k] / base[k]:.2f}x" if base else "" for k in ("tokens_per_s", "peak_mem_gib"))
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
+        spread = "–".join(f"{v:,.0f}" for v in r["tokens_per_s_range"]) if "tokens_per_s_range" in r else ""
         rows.append([r["variant"], str(r["micro"]), r.get("recompute", ""), f"{r['tokens_per_s']:,.0f}", speed,
                      f"{r['tflops']:.0f}", mfu, f"{r['peak_mem_gib']:.1f}", mem,
-                     f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}"])
+                     f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", spread])
     return rows
 
 

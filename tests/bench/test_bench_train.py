@@ -101,7 +101,8 @@ def result(variant: str, micro: int, tokens: float, mem: float, recompute: str =
 
 def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setting():
     bench = load_bench("bench_train")
-    results = [result("bf16", 1, 1000.0, 100.0), result("fp8", 1, 1300.0, 70.0),
+    results = [result("bf16", 1, 1000.0, 100.0),
+               {**result("fp8", 1, 1300.0, 70.0), "tokens_per_s_range": (1200.0, 1400.0)},
                result("bf16_nomtp", 1, 1200.0, 80.0), result("fp8_nomtp@1", 1, 1800.0, 40.0),
                {"variant": "bf16@2", "micro": 2, "error": "OOM"}, result("fp8@2", 2, 2000.0, 90.0),
                result("fp8+full", 1, 800.0, 50.0, "full")]
@@ -113,7 +114,8 @@ def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setti
     assert rows["bf16@2"][3] == "OOM" and len(rows["bf16@2"]) == len(bench.HEADER)
     assert rows["fp8@2"][4] == "" and rows["fp8@2"][8] == ""  # its bf16 row ran out of memory
     assert rows["fp8+full"][4] == "" and rows["fp8+full"][2] == "full"  # no bf16 row with full recompute
-    assert rows["fp8"][5:8] == ["13", "25.0%", "70.0"] and rows["fp8"][9:] == ["1.50", "10.000→9.500"]
+    assert rows["fp8"][5:8] == ["13", "25.0%", "70.0"] and rows["fp8"][9:] == ["1.50", "10.000→9.500", "1,200–1,400"]
+    assert rows["bf16"][11] == "" and rows["bf16@2"][11] == ""  # a row without the spread (or an OOM) leaves it blank
 
 
 def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
@@ -124,6 +126,7 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     summary = bench.summarize_run(tmp_path, warmup=1, skip_steps=(3,))
     assert summary["tokens_per_s"] == 3.0  # median of steps 2, 4, 5
+    assert summary["tokens_per_s_range"] == (2.0, 4.0)  # their slowest and fastest
     assert summary["peak_mem_gib"] == 5.0 and summary["optim_state_gib"] == 0.5
     assert bench.summarize_run(tmp_path, warmup=1)["tokens_per_s"] == 3.5
 
