@@ -151,6 +151,8 @@ def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatc
     assert [r[0].lstrip("| ") for r in rows] == ["fp8_nomtp", "bf16@2"]
     assert rows[1][1:4] == ["2", "none", "OOM"]
     assert float(rows[0][9]) > 0  # optimizer state, logged by the run
+    lo, hi = (float(v.replace(",", "")) for v in rows[0][11].strip(" |").split("–"))  # the timed steps' spread
+    assert lo <= float(rows[0][3].replace(",", "")) <= hi
     profile = out[out.index("#### Profile of `fp8_nomtp`"):]
     assert "Where optimizer step 3 spends its time" in profile and "| optimizer (DeepSpeed step) |" in profile
 
