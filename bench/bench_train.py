@@ -167,7 +167,7 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
     timed = [r for r in rows[warmup:] if r["step"] not in skip_steps] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
     speeds = [r["tokens_per_s"] for r in timed if r.get("tokens_per_s") is not None]
-    return {"tokens_per_s": med("tokens_per_s"), "tokens_per_s_range": (min(speeds), max(speeds)),
+    return {"tokens_per_s": statistics.median(speeds), "tokens_per_s_range": (min(speeds), max(speeds)),
             "tflops": med("tflops_per_gpu"),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
