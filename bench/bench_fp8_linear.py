@@ -54,6 +54,9 @@ SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=False),
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # fprop's until 2026-12-02
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True),  # fp32-out wgrad's
+    # the two wgrad defaults without split-K (the default splits the shared expert's down wgrad: fp8/gemm.py)
+    GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2, split_k=1),
+    GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True, warp_specialize=True, split_k=1),
     GemmConfig(128, 128, 16, 8, 4, tma=True, persistent=True, warp_specialize=True),
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True),
     GemmConfig(128, 128, 8, 8, 3, tma=True, persistent=True),
@@ -105,7 +108,8 @@ def cublas_blockwise(a, a_s, b, b_s, b_blockwise: bool, out_dtype):
 
 # ------------------------------------------------------------------------------------------------ GEMMs
 def gemm_operands(kind: str, m: int, n: int, k: int):
-    """(a, a_s, b, b_s, b_blockwise, out_dtype, a_bf16, b_bf16) for the GEMM `kind` of a linear [n, k]."""
+    """(a, a_s, b, b_s, b_blockwise, out_dtype, a_bf16, b_bf16) for the GEMM `kind` of a linear [n, k]: "fprop",
+    "dgrad", "wgrad" (fp32 out) or "wgrad_bf16" (the bf16 weight's gradient, as FP8Linear writes it in training)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
@@ -120,7 +124,8 @@ def gemm_operands(kind: str, m: int, n: int, k: int):
         return a, a_s, b, b_s, True, torch.bfloat16, dy, w.t().contiguous()
     a, a_s = quantize_1x128_transposed(dy)
     b, b_s = quantize_1x128_transposed(x)
-    return a, a_s, b, b_s, False, torch.float32, dy.t().contiguous(), x.t().contiguous()
+    out_dtype = torch.bfloat16 if kind == "wgrad_bf16" else torch.float32
+    return a, a_s, b, b_s, False, out_dtype, dy.t().contiguous(), x.t().contiguous()
 
 
 def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str, GemmConfig]]:
@@ -129,7 +134,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
     chosen: dict[str, GemmConfig] = {}
     best_cfg: dict[str, dict] = {"fprop": {}, "wgrad": {}}
     for name, (n, k) in SHAPES.items():
-        for kind in ("fprop", "dgrad", "wgrad"):
+        for kind in ("fprop", "dgrad", "wgrad", "wgrad_bf16"):
             a, a_s, b, b_s, bw, odt, a16, b16 = gemm_operands(kind, m, n, k)
             mm, nn_ = a.shape[0], b.shape[0]
             flops = 2.0 * mm * nn_ * a.shape[1]
@@ -137,7 +142,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
             deq_b = dequantize_128x128(b, b_s, torch.float64) if bw else dequantize_1x128(b, b_s, torch.float64)
             ref = deq_a @ deq_b.t()
             del deq_a, deq_b
-            gk = "wgrad" if kind == "wgrad" else "fprop"
+            gk = "fprop" if bw else "wgrad"
             fn = functools.partial(fp8_gemm if bw else fp8_gemm_wgrad, a, a_s, b, b_s, out_dtype=odt)
             results = []
             for cfg in SWEEP if sweep else [None]:
@@ -199,7 +204,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
         for gk in ("fprop", "wgrad"):
             tot: dict[str, float] = {}
             for e in log["gemm"]:
-                if (e["kind"] == "wgrad") == (gk == "wgrad"):
+                if e["kind"].startswith("wgrad") == (gk == "wgrad"):
                     for ms, err, c in e["all"]:
                         if err < 2e-2:
                             tot[c] = tot.get(c, 0.0) + ms

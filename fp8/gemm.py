@@ -8,7 +8,9 @@ the reduction dim (wgrad dW = dyᵀ·x from the token-dim quantized dyᵀ [N, M]
 Maths of the kernel, per output tile: acc = Σ_kb dot_fp32(a[:, kb], b[:, kb]) · sa[:, kb] · sb[:, kb], where
 each 128-wide K block is multiplied on the tensor cores into a fresh fp32 accumulator and then promoted
 into the running fp32 sum with both scales applied in fp32 (DeepSeek-V3's per-block promotion); the output is
-cast once at the end. Tails in M, N and K are masked (K tails load zeros, which add nothing).
+cast once at the end. Tails in M, N and K are masked (K tails load zeros, which add nothing). A wgrad with few
+output tiles (the shared expert's down projection) splits its token reduction (`wgrad_splits`): each split sums
+its K blocks as above into an fp32 partial, and a second kernel adds the partials in split order and rounds once.
 
 Kernels: the Triton kernel here; with `GemmChoice.sm90` set (`GEMM_TUNING.override(sm90=SM90_CONFIG)`), the
 Hopper Gluon kernel of `fp8/gemm_sm90.py` on sm_90 GPUs (the same bits, the promotion overlapped with the next
@@ -54,6 +56,7 @@ __all__ = [
     "fp8_gemm_ref",
     "fp8_gemm_wgrad",
     "fp8_gemm_wgrad_ref",
+    "wgrad_splits",
 ]
 
 
@@ -70,6 +73,9 @@ class GemmConfig:
     persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
     warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
     programs_per_sm: int = 1  # persistent grid: min(tiles, SMs · programs_per_sm) programs
+    # wgrad only, TMA kernel only: the K splits of each output tile (fp32 partials summed in split order by a second
+    # kernel); None: `wgrad_splits` of the shape, 1: never split
+    split_k: int | None = None
 
 
 # The defaults. On the H200 every GEMM of the Ling-mini shapes (attention, dense MLP, shared expert; forward,
@@ -87,6 +93,25 @@ SMALL_M_ROWS = 64  # GEMMs with at most this many rows use SMALL_M_CONFIG
 SMALL_M_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 INTERPRETER_CONFIG = GemmConfig(block_m=64, block_n=64, group_m=4)  # small tiles keep the CPU interpreter fast
 GEMM_KINDS = ("fprop", "wgrad")
+# Split-K of the wgrad (`wgrad_splits`): a wgrad whose output tiles leave SMs idle (the shared expert's down
+# projection, [2048, 512]: 64-128 tiles) splits its token reduction into as many splits as still fit one wave. The
+# SM count is the H100 / H200's, not the device's: the rule depends on the shape only, so do the bits. Splits of
+# 8 K blocks ran slower than no split on an H100, splits of 16 as fast or faster (docs/kernel_tuning.md).
+SPLIT_K_SMS = 132
+SPLIT_K_MIN_BLOCKS = 16
+SPLIT_K_MAX = 8
+SPLIT_SUM_BLOCK = 1024  # elements per program of the kernel that sums the partials
+
+
+def wgrad_splits(tiles: int, k_blocks: int, programs_per_sm: int = 1, requested: int | None = None) -> int:
+    """The K splits of a wgrad of `tiles` output tiles over `k_blocks` K blocks, for a kernel of `programs_per_sm`
+    resident programs: `requested` (a config's split_k), else as many as keep tiles · splits within one wave of
+    SPLIT_K_SMS · programs_per_sm programs, at most SPLIT_K_MAX and at least SPLIT_K_MIN_BLOCKS K blocks each;
+    then trimmed so that no split is empty (every split gets ceil(k_blocks / splits) blocks but the last)."""
+    if requested is None:
+        requested = min(SPLIT_K_SMS * programs_per_sm // max(tiles, 1), k_blocks // SPLIT_K_MIN_BLOCKS, SPLIT_K_MAX)
+    splits = max(1, min(requested, k_blocks))
+    return cdiv(k_blocks, cdiv(k_blocks, splits))
 
 
 def default_gemm_config(m: int, kind: str, out_dtype: torch.dtype = torch.bfloat16) -> GemmConfig:
@@ -211,34 +236,63 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp8_gemm_tma_kernel(
-        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, ws_ptr,
         M, N, K,
         stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
-        masks) and, with NUM_PROGRAMS < #tiles, each program loops over tiles (persistent grid). The TMA
+        masks) and, with NUM_PROGRAMS < #work items, each program loops over them (persistent grid). The TMA
         descriptors are built here, once per program (host-built ones cost every launch a Python pass and a
-        driver call per descriptor)."""
+        driver call per descriptor). With SPLIT_K > 1 a work item is (tile, split): split s sums K blocks
+        [s·ceil(KB/SPLIT_K), ...) into its own fp32 partial, stored at ws [SPLIT_K, M, N] for `_sum_splits_kernel`."""
         BLOCK_K: tl.constexpr = 128
         a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K])
-        c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+        if SPLIT_K == 1:
+            c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         num_kb = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        split_kb = tl.cdiv(num_kb, SPLIT_K)  # K blocks per split (the last split may have fewer)
+        for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_PROGRAMS):
+            if SPLIT_K == 1:
+                tile = item
+                kb0 = 0
+                split_blocks = num_kb
+            else:
+                tile = item % num_tiles
+                split = item // num_tiles
+                kb0 = split * split_kb
+                split_blocks = tl.minimum(split_kb, num_kb - kb0)
             pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
             offs_am = (off_m + tl.arange(0, BLOCK_M)) % M
             offs_bn = (off_n + tl.arange(0, BLOCK_N)) % N
-            as_ptrs = as_ptr + offs_am * stride_asm
-            bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N)
+            as_ptrs = as_ptr + offs_am * stride_asm + kb0 * stride_ask
+            bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N) + kb0 * stride_bsk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = tma_k_loop(acc, a_desc, b_desc, off_m, off_n, 0, num_kb, as_ptrs, stride_ask, bs_ptrs, stride_bsk,
-                             B_BLOCKWISE and BLOCK_N == 128, WS)  # fmt: skip
-            c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            acc = tma_k_loop(acc, a_desc, b_desc, off_m, off_n, kb0 * BLOCK_K, split_blocks, as_ptrs, stride_ask,
+                             bs_ptrs, stride_bsk, B_BLOCKWISE and BLOCK_N == 128, WS)  # fmt: skip
+            if SPLIT_K == 1:
+                c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            else:
+                offs_m = off_m + tl.arange(0, BLOCK_M)
+                offs_n = off_n + tl.arange(0, BLOCK_N)
+                ws_ptrs = ws_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+                tl.store(ws_ptrs, acc, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(ws_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """c [M, N] (contiguous) = Σ_s ws[s] over the SPLIT_K fp32 partials [SPLIT_K, M, N], in split order,
+        rounded once to c's dtype."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.load(ws_ptr + offs, mask=mask)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(ws_ptr + s * MN + offs, mask=mask)
+        tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_operands(a, a_scale, b, b_scale, b_blockwise: bool) -> tuple[int, int, int]:
@@ -278,14 +332,20 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: AnyGemmCo
         cfg = default_gemm_config(m, "fprop" if b_blockwise else "wgrad", out_dtype)
     if cfg.tma and tma_compatible(a, b, c):
         tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-        progs = min(tiles, num_sms(a.device) * cfg.programs_per_sm) if cfg.persistent else tiles
+        splits = 1 if b_blockwise else wgrad_splits(tiles, cdiv(k, BLOCK), cfg.programs_per_sm, cfg.split_k)
+        items = tiles * splits
+        progs = min(items, num_sms(a.device) * cfg.programs_per_sm) if cfg.persistent else items
+        ws = c if splits == 1 else torch.empty(splits, m, n, device=a.device, dtype=torch.float32)
         set_descriptor_allocator()
         _fp8_gemm_tma_kernel[(progs,)](
-            a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0),
+            a, b, c, a_scale, b_scale, ws, m, n, k, a.stride(0), b.stride(0), c.stride(0),
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, SPLIT_K=splits,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        if splits > 1:
+            _sum_splits_kernel[(cdiv(m * n, SPLIT_SUM_BLOCK),)](ws, c, m * n, SPLIT_K=splits, BLOCK=SPLIT_SUM_BLOCK)
         return c
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](

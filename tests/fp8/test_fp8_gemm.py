@@ -3,6 +3,8 @@ cuBLAS's blockwise `scaled_mm`, an independent implementation)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from fp8.gemm import (
     fp8_gemm,
     fp8_gemm_ref,
     fp8_gemm_wgrad,
+    fp8_gemm_wgrad_ref,
+    wgrad_splits,
 )
 from fp8.gemm_sm90 import SM90_CONFIG
 from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
@@ -81,6 +85,71 @@ def test_fp8_gemm_wgrad_matches_float64(device, shape, request):
     out = fp8_gemm_wgrad(aq, as_, bq, bs, backend="triton")
     assert out.dtype == torch.float32
     assert rel(out, ref) < (TOL_GPU if device == "cuda" else TOL)[torch.float32]
+
+
+def test_wgrad_splits_fill_one_wave_and_never_leave_a_split_empty():
+    # the shared expert's down projection at 16,384 tokens (128 K blocks): 64x128 tiles, two programs per SM (bf16
+    # out), and 128x128 tiles, one per SM (fp32 out)
+    assert wgrad_splits(tiles=128, k_blocks=128, programs_per_sm=2) == 2
+    assert wgrad_splits(tiles=64, k_blocks=128) == 2
+    assert wgrad_splits(tiles=128, k_blocks=128) == 1  # the shared gate_up's fp32 wgrad: one wave already
+    assert wgrad_splits(tiles=8, k_blocks=1024) == 8  # at most SPLIT_K_MAX
+    assert wgrad_splits(tiles=768, k_blocks=128, programs_per_sm=2) == 1  # QKV: enough tiles
+    assert wgrad_splits(tiles=64, k_blocks=31) == 1  # splits of at least 16 K blocks (2,048 tokens)
+    assert wgrad_splits(tiles=64, k_blocks=32) == 2
+    assert wgrad_splits(tiles=4, k_blocks=500, requested=1) == 1
+    assert wgrad_splits(tiles=4, k_blocks=3, requested=8) == 3  # no more splits than K blocks
+    for k_blocks in range(1, 40):
+        for requested in range(1, 12):
+            splits = wgrad_splits(1, k_blocks, requested=requested)
+            per_split = -(-k_blocks // splits)
+            assert 1 <= splits <= requested and (splits - 1) * per_split < k_blocks  # the last split is not empty
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [2, 3, 6])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_split_k_wgrad_is_the_in_order_sum_of_its_slices(device, splits, out_dtype, request):
+    """A split wgrad's output is bit for bit the unsplit kernel's fp32 products of its K slices, added in split order
+    and rounded once; and it matches float64 as the unsplit one does. K = 6 blocks (the last a 48-wide tail), so
+    3 splits take 2 blocks each and 6 one each; M and N have tails; `out=` is written through the same path."""
+    setup_device(device, request)
+    m, n, k = 130, 200, 688
+    aq, as_, bq, bs = operands(m, n, k, device, b_blockwise=False)
+    cfg = GemmConfig(64, 64, 4, tma=True, persistent=True)
+    out = torch.full((m, n), float("nan"), device=device, dtype=out_dtype)  # every element must be written
+    split = fp8_gemm_wgrad(aq, as_, bq, bs, out_dtype=out_dtype, backend="triton",
+                           config=dataclasses.replace(cfg, split_k=splits), out=out)  # fmt: skip
+    assert split is out and not out.isnan().any()
+    per_split = 6 // splits
+    want = torch.zeros(m, n, device=device)
+    for s in range(splits):
+        blocks = slice(s * per_split, (s + 1) * per_split)
+        cols = slice(blocks.start * 128, min(blocks.stop * 128, k))
+        want += fp8_gemm_wgrad(aq[:, cols], as_[:, blocks], bq[:, cols], bs[:, blocks], backend="triton",
+                               config=dataclasses.replace(cfg, split_k=1))  # fmt: skip
+    assert torch.equal(split.cpu(), want.to(out_dtype).cpu())
+    ref = dequantize_1x128(aq.cpu(), as_.cpu(), torch.float64) @ dequantize_1x128(bq.cpu(), bs.cpu(), torch.float64).t()
+    assert rel(split, ref) < (TOL_GPU if device == "cuda" else TOL)[out_dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_the_shared_experts_down_wgrad_splits_by_default_and_matches_float64(out_dtype):
+    """[2048, 512] over 16,384 tokens: 128 (bf16) or 64 (fp32) output tiles, so the default splits K in two."""
+    from fp8.quant import quantize_1x128_transposed
+
+    torch.manual_seed(0)
+    dy = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16384, 512, device="cuda", dtype=torch.bfloat16)
+    a, a_s = quantize_1x128_transposed(dy)
+    b, b_s = quantize_1x128_transposed(x)
+    split = fp8_gemm_wgrad(a, a_s, b, b_s, out_dtype=out_dtype)
+    unsplit_config = dataclasses.replace(default_gemm_config(2048, "wgrad", out_dtype), split_k=1)
+    unsplit = fp8_gemm_wgrad(a, a_s, b, b_s, out_dtype=out_dtype, config=unsplit_config)
+    assert not torch.equal(split, unsplit)  # another summation order: the split path ran
+    ref = fp8_gemm_wgrad_ref(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), torch.float64)
+    assert rel(split, ref) < TOL_GPU[out_dtype] and rel(unsplit, ref) < TOL_GPU[out_dtype]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -170,4 +239,3 @@ def test_a_forced_hopper_config_falls_back_to_the_triton_kernel_off_sm90(request
     assert torch.equal(fp8_gemm(a, a_s, b, b_s, backend="triton", config=SM90_CONFIG), want)
     with GEMM_TUNING.override(sm90=SM90_CONFIG):
         assert torch.equal(fp8_gemm(a, a_s, b, b_s, backend="triton"), want)
-
