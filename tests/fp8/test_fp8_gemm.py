@@ -152,6 +152,31 @@ def test_the_shared_experts_down_wgrad_splits_by_default_and_matches_float64(out
     assert rel(split, ref) < TOL_GPU[out_dtype] and rel(unsplit, ref) < TOL_GPU[out_dtype]
 
 
+@pytest.mark.gpu
+def test_a_split_wgrad_replays_from_a_cuda_graph_with_the_eager_bits():
+    """The split path allocates its partials per call: under capture they come from the graph's pool, and a replay
+    on new operands (copied into the captured inputs) gives the eager call's bits."""
+    from fp8.quant import quantize_1x128_transposed
+
+    def operands(seed):
+        torch.manual_seed(seed)
+        a = quantize_1x128_transposed(torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16))
+        b = quantize_1x128_transposed(torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16))
+        return (*a, *b)
+
+    static = operands(0)
+    config = dataclasses.replace(default_gemm_config(2048, "wgrad", torch.bfloat16), split_k=2)
+    fp8_gemm_wgrad(*static, out_dtype=torch.bfloat16, config=config)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm_wgrad(*static, out_dtype=torch.bfloat16, config=config)
+    fresh = operands(1)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    assert torch.equal(out, fp8_gemm_wgrad(*fresh, out_dtype=torch.bfloat16, config=config))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp8_gemm_nan_propagates(device, request):
     setup_device(device, request)
