@@ -3,14 +3,14 @@
     python bench/bench_train.py [--model ling_mini_2_0_e64] [--steps 12] [--warmup 4] [--seq-len 4096]
         [--micro 1] [--grad-accum 8] [--recompute none] [--variants bf16,fp8,bf16_nomtp,fp8_nomtp,bf16+full@4]
         [--profile fp8] [--profile-python fp8] [--extra 'key=value ...'] [--device cuda] [--max-micro 64]
-        [--deepspeed zero1]
+        [--max-search bisect] [--deepspeed zero1]
 
 A variant is NAME[_nomtp][+RECOMPUTE][@M|@max]: a name from VARIANTS, optionally `_nomtp`
 (`model.num_mtp_layers=0`), `+none` / `+full` / `+selective` (`model.recompute`, default `--recompute`) and `@M`
 (that row runs at `train.micro_batch_size=M` instead of `--micro`; grad_accum stays `--grad-accum`, so the tokens
 per optimizer step grow with M), or `@max` (the largest micro-batch that fits: doubled from `--micro` in 2-step
-trials until one runs out of memory or passes `--max-micro`, then measured; the trials are listed under the
-table). Each is a
+trials until one runs out of memory or passes `--max-micro`, then bisected between the last that fitted and the
+first that did not (`--max-search double` skips that), then measured; the trials are listed under the table). Each is a
 fresh `python train.py` process (so peak memory is its own) on synthetic data, under `deepspeed=--deepspeed`
 (default zero1, the GPU experiments'; the `*_zero2` rows and an `--extra` naming the group override it);
 the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU)
@@ -91,20 +91,31 @@ def family(spec: str) -> str:
 
 def largest_micro(spec: str, args, run=None) -> tuple[int | None, list[str]]:
     """For 'NAME[_nomtp]@max': double the micro-batch from --micro (short trial runs of 2 steps: the optimizer
-    state and the activations are allocated by then) until one runs out of memory or --max-micro is passed →
+    state and the activations are allocated by then) until one runs out of memory or --max-micro is passed, then
+    (`--max-search bisect`, the default) bisect between the largest that fitted and the first that did not →
     (the largest that fitted or None, the trials' log lines). `run` (default run_variant) is for tests."""
     run = run or run_variant
     name = spec.partition("@")[0]  # NAME[_nomtp][+RECOMPUTE]
     trial = argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0})
-    fits, log, micro = None, [], args.micro
-    while micro <= args.max_micro:
+    log: list[str] = []
+
+    def fits_at(micro: int) -> bool:
         result = run(f"{name}@{micro}", trial)
         log.append(f"{name}@{micro}: {result.get('error', 'fits')}")
-        if "error" in result:
-            if result["error"] != "OOM":
-                raise SystemExit(f"{spec}: the trial at micro-batch {micro} failed: {result['error']}")
+        if "error" in result and result["error"] != "OOM":
+            raise SystemExit(f"{spec}: the trial at micro-batch {micro} failed: {result['error']}")
+        return "error" not in result
+
+    fits, micro = None, args.micro
+    while micro <= args.max_micro:
+        if not fits_at(micro):
             break
         fits, micro = micro, micro * 2
+    if fits is not None and args.max_search == "bisect":
+        too_big = min(micro, args.max_micro + 1)  # the first that ran out of memory, or past the cap
+        while too_big - fits > 1:
+            middle = (fits + too_big) // 2
+            fits, too_big = (middle, too_big) if fits_at(middle) else (fits, middle)
     return fits, log
 
 
@@ -256,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                     "names one wins), default the GPU experiments' zero1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--max-micro", type=int, default=64, help="upper bound of the NAME@max search")
+    ap.add_argument("--max-search", default="bisect", choices=("bisect", "double"),
+                    help="NAME@max: bisect after the doubling (the largest that fits) or stop at the last doubling")
     args = ap.parse_args(argv)
     specs = args.variants.split(",")
     for spec in specs:
@@ -295,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     for line in largest_vs_largest(results):
         print("\n" + line)
     if searched:
-        print(f"\nLargest micro-batch search (2-step trials, doubling up to --max-micro {args.max_micro}): "
+        how = "doubling, then bisecting," if args.max_search == "bisect" else "doubling"
+        print(f"\nLargest micro-batch search (2-step trials, {how} up to --max-micro {args.max_micro}): "
               + "; ".join(searched))
     for r in results:
         if "profile" in r:

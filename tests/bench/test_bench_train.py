@@ -38,28 +38,38 @@ def test_variant_specs():
             bench.parse_variant(bad, 1)
 
 
-def test_largest_micro_batch_search_doubles_until_oom():
-    """fp8@max with --micro 1: trials at 1, 2, 4 fit, 8 runs out of memory → 4; a cap stops the search; a trial
-    that fails otherwise stops the bench naming it; nothing fitting → None."""
+def test_largest_micro_batch_search_doubles_until_oom_then_bisects():
+    """fp8@max with --micro 1 where 5 is the largest that fits: trials at 1, 2, 4 fit, 8 runs out of memory, then
+    6 (out) and 5 (fits) → 5; `--max-search double` stops at 4; the cap bounds both phases; a trial that fails
+    otherwise stops the bench naming it; nothing fitting → None."""
     import argparse
 
     bench = load_bench("bench_train")
     assert bench.parse_variant("fp8_nomtp@max", 1) == ("fp8", True, None, "none")
-    args = argparse.Namespace(micro=1, max_micro=64, steps=12, warmup=4)
+    args = argparse.Namespace(micro=1, max_micro=64, max_search="bisect", steps=12, warmup=4)
     tried = []
 
-    def fake(spec, trial, limit=4):
+    def fake(spec, trial, limit=5):
         tried.append((spec, trial.steps, trial.warmup))
         micro = int(spec.partition("@")[2])
         return {"variant": spec, "micro": micro} if micro <= limit else {"variant": spec, "error": "OOM"}
 
     fits, log = bench.largest_micro("fp8_nomtp@max", args, run=fake)
-    assert fits == 4 and [t[0] for t in tried] == ["fp8_nomtp@1", "fp8_nomtp@2", "fp8_nomtp@4", "fp8_nomtp@8"]
+    assert fits == 5 and [t[0] for t in tried] == [f"fp8_nomtp@{m}" for m in (1, 2, 4, 8, 6, 5)]
     assert all(t[1:] == (2, 0) for t in tried) and args.steps == 12  # short trials; the caller's args untouched
-    assert log[-1] == "fp8_nomtp@8: OOM"
-    assert bench.largest_micro("fp8@max", argparse.Namespace(micro=1, max_micro=2, steps=3, warmup=1),
-                               run=fake)[0] == 2
-    assert bench.largest_micro("fp8@max", args, run=lambda s, t: fake(s, t, limit=0))[0] is None
+    assert log[3:] == ["fp8_nomtp@8: OOM", "fp8_nomtp@6: OOM", "fp8_nomtp@5: fits"]
+    tried.clear()
+    doubling = argparse.Namespace(**{**vars(args), "max_search": "double"})
+    assert bench.largest_micro("fp8@max", doubling, run=fake)[0] == 4 and len(tried) == 4
+    for limit in range(1, 40):  # bisection finds every limit exactly, from any start
+        for start in (1, 3):
+            got = bench.largest_micro("fp8@max", argparse.Namespace(**{**vars(args), "micro": start}),
+                                      run=lambda s, t, limit=limit: fake(s, t, limit))[0]  # fmt: skip
+            assert got == (limit if limit >= start else None), (limit, start)
+    tried.clear()
+    capped = argparse.Namespace(**{**vars(args), "max_micro": 6})  # 1, 2, 4 fit; 8 is past the cap: 5, then 6
+    assert bench.largest_micro("fp8@max", capped, run=lambda s, t: fake(s, t, limit=64))[0] == 6
+    assert max(int(t[0].partition("@")[2]) for t in tried) == 6
     with pytest.raises(SystemExit, match="fp8@max: the trial at micro-batch 1 failed: failed: boom"):
         bench.largest_micro("fp8@max", args, run=lambda s, t: {"variant": s, "error": "failed: boom"})
 
