@@ -73,8 +73,9 @@ class GemmConfig:
     persistent: bool = False  # one program per SM looping over output tiles (TMA kernel only)
     warp_specialize: bool = False  # Triton warp specialization of the K loop (TMA kernel only)
     programs_per_sm: int = 1  # persistent grid: min(tiles, SMs · programs_per_sm) programs
-    # wgrad only, TMA kernel only: the K splits of each output tile (fp32 partials summed in split order by a second
-    # kernel); None: `wgrad_splits` of the shape, 1: never split
+    # wgrad only, TMA kernel only (operands or output whose rows TMA cannot address run the pointer kernel, unsplit):
+    # the K splits of each output tile (fp32 partials summed in split order by a second kernel); None: `wgrad_splits`
+    # of the shape, 1: never split
     split_k: int | None = None
 
 
