@@ -197,8 +197,11 @@ def _child(request: dict, fds: list[int]) -> None:
 # worker's environment (ling.ranks.init_distributed), and some tests drop RANK from theirs and some do not; a
 # server per combination cost ~15 CPU-s each. The preload reads RANK once (ling.train.logger.quiet_library_noise,
 # where none means 0, all a pytest worker's one-process group sets); a rank's child gets its own from the request.
+# And the address Inductor puts in the environment of its own process before it loads a compiled module (torch
+# 2.13's `CppPythonBindingsCodeCache._load_library_inner`, which each process sets again before the module reads
+# it): a compiling test in the pytest worker set it, and the next run started a second server (seen in the suite).
 PER_RUN = ("PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "PYTHONPATH", "MASTER_ADDR", "MASTER_PORT", "RANK",
-           "LOCAL_RANK", "WORLD_SIZE")
+           "LOCAL_RANK", "WORLD_SIZE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 _servers: dict[frozenset, dict] = {}
 SOCKET_VAR = "LING_FORK_SERVER"  # the client's server (python_command)
 _lock = threading.Lock()
