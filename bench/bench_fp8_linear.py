@@ -75,11 +75,12 @@ def tflops(flops: float, ms: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ cuBLAS
-_CUBLAS_LAYOUT: dict[str, int] = {}
+_CUBLAS_LAYOUT: dict[tuple, int] = {}
 
 
 def _cublas_candidates(b_s: torch.Tensor, b_blockwise: bool):
-    if b_blockwise:  # ours: [NB, KB] row-major
+    if b_blockwise:  # ours: [NB, KB], row-major once made contiguous (dgrad's Wᵀ scales are a transposed view)
+        b_s = b_s.contiguous()
         kb = b_s.shape[1]
         pad = (-kb) % 4
         padded = F.pad(b_s, (0, pad)) if pad else b_s
@@ -89,12 +90,13 @@ def _cublas_candidates(b_s: torch.Tensor, b_blockwise: bool):
 
 def cublas_blockwise(a, a_s, b, b_s, b_blockwise: bool, out_dtype):
     """F.scaled_mm with BlockWise1x128 x (BlockWise128x128 | BlockWise1x128); the scale layout that cuBLAS
-    accepts is found once per recipe and then reused (checked for numerics by the caller)."""
+    accepts is found once per recipe and scale shape (fprop's and dgrad's weight scales differ) and then reused,
+    the others tried after it (checked for numerics by the caller)."""
     st = F.ScalingType
     rb = st.BlockWise128x128 if b_blockwise else st.BlockWise1x128
-    key = "bw" if b_blockwise else "rw"
+    key = ("bw" if b_blockwise else "rw", tuple(b_s.shape), tuple(b_s.stride()))
     cands = _cublas_candidates(b_s, b_blockwise)
-    order = [_CUBLAS_LAYOUT[key]] if key in _CUBLAS_LAYOUT else range(len(cands))
+    order = sorted(range(len(cands)), key=lambda i: i != _CUBLAS_LAYOUT.get(key))
     err = None
     for i in order:
         try:

@@ -99,6 +99,11 @@ def host_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def scaled_cell(tflops: float) -> str:
+    """A table cell for `_scaled_grouped_mm`'s TFLOPS: n/a where it did not run (NaN)."""
+    return "n/a" if tflops != tflops else f"{tflops:.0f}"
+
+
 def routing(tokens: int, experts: int, seed: int = 0):
     """top-8 choices and gates of the real router (random weights, a mild preference for some experts)."""
     cfg = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
@@ -525,12 +530,14 @@ def main() -> None:
               "kernels everywhere\n")
         print("GPU time: the same call replayed from a CUDA graph (do_bench_cudagraph), without the host's launch "
               "time, which the other columns include wherever it is longer than the kernel\n")
+        print("_scaled_grouped_mm: n/a where it did not run (not timed for the weight gradients, whose K is the "
+              "grouped token dim)\n")
         print("| tokens | GEMM | N×K | ours FP8 | Triton FP8 | torch._grouped_mm bf16 | _scaled_grouped_mm rowwise FP8 "
               "| ours/bf16 | ours/Triton | ours FP8, GPU time | bf16, GPU time | ours/bf16, GPU time |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in report["gemm"]:
             print(f"| {r['tokens']} | {r['gemm']} | {r['n']}×{r['k']} | {r['ours']:.0f} | {r['triton']:.0f} | "
-                  f"{r['bf16']:.0f} | {r['scaled']:.0f} | {r['ours'] / r['bf16']:.2f} | "
+                  f"{r['bf16']:.0f} | {scaled_cell(r['scaled'])} | {r['ours'] / r['bf16']:.2f} | "
                   f"{r['ours'] / r['triton']:.2f} | {r['ours_gpu']:.0f} | {r['bf16_gpu']:.0f} | "
                   f"{r['ours_gpu'] / r['bf16_gpu']:.2f} |")
     print(f"\n### The experts' quantizers, {args.experts} experts, x [tokens, {H}] bf16 gathered\n")
