@@ -1,7 +1,8 @@
 """bench/bench_fp8_linear.py on CPU: the scale layouts it offers cuBLAS's blockwise `scaled_mm` (the comparison
-itself needs a GPU). cuBLAS takes a 128x128 operand's scales K-block-major, [KB, NB] with strides (1, KB rounded up
-to 4). On the GPU the dgrad's Wᵀ scales come from `fp8_transpose_128x128` as a transposed view, for which the bench
-once offered cuBLAS no candidate in that layout, so its dgrad column read n/a."""
+itself needs a GPU). cuBLAS takes a 128x128 operand's scales K-block-major, [KB, NB] with strides (1, KB) (its
+refusal of the QKV dgrad's asked for strides (1, 24)). On the GPU the dgrad's Wᵀ scales come from
+`fp8_transpose_128x128` as a transposed view, for which the bench once offered no candidate in that layout, so its
+dgrad column read n/a. The Ling shapes' KB are multiples of 4: the bench's padding of other widths is not covered."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fp8.quant import quantize_128x128
 from tests.helpers import load_bench
 
 
-@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 3072), (512, 2048), (2048, 640)])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (2048, 3072), (512, 2048), (2048, 5120)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_the_first_cublas_candidate_is_k_block_major_for_fprop_and_dgrad_scales(n, k, transposed):
     bench = load_bench("bench_fp8_linear")
@@ -21,6 +22,5 @@ def test_the_first_cublas_candidate_is_k_block_major_for_fprop_and_dgrad_scales(
         ws = ws.transpose(-2, -1)
     nb, kb = ws.shape
     first = bench._cublas_candidates(ws, True)[0]
-    kb_padded = -(-kb // 4) * 4
-    assert first.shape == (kb_padded, nb) and first.stride() == (1, kb_padded)
-    assert torch.equal(first[:kb], ws.t())
+    assert first.shape == (kb, nb) and first.stride() == (1, kb)
+    assert torch.equal(first, ws.t())
