@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,8 +52,6 @@ H, INTER, TOPK = 2048, 512, 8
 
 def bench(fn, warmup: int = 10, rep: int = 50) -> float:
     """Median milliseconds (CUDA events, triton.testing.do_bench)."""
-    import triton.testing
-
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -60,8 +59,6 @@ def graph_ms(fn, rep: int = 50) -> float:
     """Median milliseconds of `fn` replayed from a CUDA graph (triton.testing.do_bench_cudagraph): its GPU time
     alone, where `bench` also counts host time whenever the launch takes longer than the kernel; NaN (with a line)
     if `fn` cannot be captured."""
-    import triton.testing
-
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     except Exception as err:  # noqa: BLE001 - a kernel that cannot be captured gets no GPU-time figure
@@ -99,9 +96,9 @@ def host_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def scaled_cell(tflops: float) -> str:
-    """A table cell for `_scaled_grouped_mm`'s TFLOPS: n/a where it did not run (NaN)."""
-    return "n/a" if tflops != tflops else f"{tflops:.0f}"
+def cell(value: float, fmt: str = ".0f") -> str:
+    """A table cell: n/a where the figure is NaN (a variant that did not run, a call that could not be captured)."""
+    return "n/a" if value != value else format(value, fmt)
 
 
 def routing(tokens: int, experts: int, seed: int = 0):
@@ -537,9 +534,9 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in report["gemm"]:
             print(f"| {r['tokens']} | {r['gemm']} | {r['n']}×{r['k']} | {r['ours']:.0f} | {r['triton']:.0f} | "
-                  f"{r['bf16']:.0f} | {scaled_cell(r['scaled'])} | {r['ours'] / r['bf16']:.2f} | "
-                  f"{r['ours'] / r['triton']:.2f} | {r['ours_gpu']:.0f} | {r['bf16_gpu']:.0f} | "
-                  f"{r['ours_gpu'] / r['bf16_gpu']:.2f} |")
+                  f"{r['bf16']:.0f} | {cell(r['scaled'])} | {r['ours'] / r['bf16']:.2f} | "
+                  f"{r['ours'] / r['triton']:.2f} | {cell(r['ours_gpu'])} | {cell(r['bf16_gpu'])} | "
+                  f"{cell(r['ours_gpu'] / r['bf16_gpu'], '.2f')} |")
     print(f"\n### The experts' quantizers, {args.experts} experts, x [tokens, {H}] bf16 gathered\n")
     print("| tokens | kernel | ms | GB/s (one read, both writes) |")
     print("|---|---|---|---|")
