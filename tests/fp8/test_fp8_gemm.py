@@ -25,7 +25,14 @@ from fp8.gemm import (
     wgrad_splits,
 )
 from fp8.gemm_sm90 import SM90_CONFIG
-from fp8.quant import dequantize_1x128, dequantize_128x128, fp8_transpose_128x128, quantize_1x128, quantize_128x128
+from fp8.quant import (
+    dequantize_1x128,
+    dequantize_128x128,
+    fp8_transpose_128x128,
+    quantize_1x128,
+    quantize_1x128_transposed,
+    quantize_128x128,
+)
 from tests.helpers import DEVICES, rel, setup_device
 
 # (M, N, K): aligned; K tail + odd M; tiny; N tail
@@ -138,8 +145,6 @@ def test_split_k_wgrad_is_the_in_order_sum_of_its_slices(device, splits, request
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_the_shared_experts_down_wgrad_splits_by_default_and_matches_float64(out_dtype):
     """[2048, 512] over 16,384 tokens: 128 (bf16) or 64 (fp32) output tiles, so the default splits K in two."""
-    from fp8.quant import quantize_1x128_transposed
-
     torch.manual_seed(0)
     dy = torch.randn(16384, 2048, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(16384, 512, device="cuda", dtype=torch.bfloat16)
@@ -157,8 +162,6 @@ def test_the_shared_experts_down_wgrad_splits_by_default_and_matches_float64(out
 def test_a_split_wgrad_replays_from_a_cuda_graph_with_the_eager_bits():
     """The split path allocates its partials per call: under capture they come from the graph's pool, and a replay
     on new operands (copied into the captured inputs) gives the eager call's bits."""
-    from fp8.quant import quantize_1x128_transposed
-
     def operands(seed):
         torch.manual_seed(seed)
         a = quantize_1x128_transposed(torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16))
@@ -231,8 +234,6 @@ def test_fp8_gemm_vs_cublas_blockwise(kind):
         a, a_s = quantize_1x128(dy)
         b, b_s = fp8_transpose_128x128(*quantize_128x128(w))
     else:
-        from fp8.quant import quantize_1x128_transposed
-
         a, a_s = quantize_1x128_transposed(dy)
         b, b_s = quantize_1x128_transposed(x)
     bw = kind != "wgrad"
