@@ -58,16 +58,35 @@ def softmax_cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor,
     return nll, z.to(logits.dtype)
 
 
+def softmax_cross_entropy_grad_fusable(logits: torch.Tensor, target: torch.Tensor,
+                                       row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`softmax_cross_entropy_grad` written for torch.compile: the same maths and signature, without in-place ops.
+
+    The target's −row_weight is subtracted where a column index equals the target (a select, where the eager
+    version scatters into its fp32 copy), so Inductor makes two kernels that never hold the fp32 logits in memory:
+    the online softmax reduction (one read of the logits) and the pointwise gradient (a second read, one write in
+    the logits' dtype). Eager, this version allocates several fp32 [c, V] temporaries: use it compiled only.
+    """
+    z = logits.float()
+    z_max = z.amax(dim=-1, keepdim=True)
+    sum_exp = (z - z_max).exp().sum(dim=-1, keepdim=True)
+    nll = (sum_exp.log() - (z.gather(1, target[:, None]) - z_max)).squeeze(1)
+    is_target = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
+    scale = row_weight[:, None] / sum_exp
+    grad = (z - z_max).exp() * scale - torch.where(is_target, row_weight[:, None], 0.0)
+    return nll, grad.to(logits.dtype)
+
+
 # One entry: the chunk epilogue's torch.compile wrapper, built on first use and kept for the process (a wrapper
 # per call would compile again every time).
 @functools.lru_cache(maxsize=1)
 def _compiled_chunk_grad():
-    return torch.compile(softmax_cross_entropy_grad, dynamic=False)
+    return torch.compile(softmax_cross_entropy_grad_fusable, dynamic=False)
 
 
 def _chunk_grad_fn(compiled: bool):
-    """The chunk epilogue, fused by torch.compile on CUDA (one read of the logits per reduction and one write
-    of the gradient instead of ~7 full fp32 passes), eager elsewhere. Same maths either way."""
+    """The chunk epilogue, fused by torch.compile on CUDA (one read of the logits for the reduction, one read and
+    one write for the gradient, instead of ~7 full fp32 passes), eager elsewhere. Same maths either way."""
     return _compiled_chunk_grad() if compiled else softmax_cross_entropy_grad
 
 

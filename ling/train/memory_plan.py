@@ -15,7 +15,8 @@ refusal of a run that cannot fit, naming set-ups that would.
   RoPE and SwiGLU, flash/flex attention, bf16 grouped GEMMs or the FP8 grouped experts), times
   micro_batch_size × seq_len, with recomputation taken into account,
 - the LM-head transients at the end of the forward: the fused loss keeps an fp32 dW [V, H] per head call
-  (main + MTP) until backward, and one chunk of logits is live (about 8 bytes per logit, model/loss.py).
+  (main + MTP) until backward, and one chunk of logits is live with its gradient (model/loss.py: 4 bytes per
+  logit in bf16 on a GPU, where the epilogue is compiled; the eager epilogue elsewhere adds an fp32 copy).
 Parameter counts come from the model built on the meta device (no memory). The estimate is compared with
 measured peaks (torch's max_memory_allocated) of the e64 proxy in docs/runtime_scale.md.
 """
@@ -41,7 +42,7 @@ GIB = 2**30
 FP8_BLOCK = 128  # elements per FP8 scale (1x128 activations, 128-blocks of the Adam moments)
 FP8_ADAM_BYTES = 2 + 2 * 4 / FP8_BLOCK  # two E4M3 moments and their fp32 block scales, per parameter
 FP8_LINEAR_CACHE_BYTES = 2  # an FP8Linear caches W and Wᵀ in E4M3 (fp8/linear.py), per weight
-LOGIT_CHUNK_BYTES_PER_LOGIT = 8  # a fused-loss chunk's peak per logit: bf16 logits, fp32 softmax, bf16 grad
+EAGER_EPILOGUE_BYTES_PER_LOGIT = 4  # the eager loss epilogue's fp32 copy of a chunk's logits (model/loss.py)
 ZERO_BUCKET_ELEMENTS = 5 * 10**8  # DeepSpeed's default reduce / allgather bucket sizes (ZeRO-2/3), elements
 ZERO3_LIVE_PARAMETERS = 10**9  # DeepSpeed's stage3_max_live_parameters default: gathered at most at once
 CONTEXT_RESERVE = 1 * GIB  # CUDA context, NCCL and the allocator's slack beyond torch's allocations
@@ -69,6 +70,7 @@ class MemorySetup:
     fp8_experts: bool = True  # precision=fp8 runs the routed experts in FP8 (fp8.ablate experts: bf16)
     micro_batch_size: int = 1
     seq_len: int = 4096
+    on_gpu: bool = True  # CUDA devices: the loss's compiled epilogue (no fp32 copy of a chunk's logits)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, model: ModelConfig, world: int, on_gpu: bool = True) -> MemorySetup:
@@ -80,7 +82,7 @@ class MemorySetup:
             bf16=bf16 is True or (bf16 == "auto" and on_gpu),
             fp32_grad_accum=cfg.deepspeed.get("grad_accum_dtype") == "fp32", optimizer=str(cfg.optim.name),
             fp32_moments=len(ablate & {"adam_m", "adam_v"}), fp8_experts="experts" not in ablate,
-            micro_batch_size=int(cfg.train.micro_batch_size), seq_len=int(cfg.train.seq_len))
+            micro_batch_size=int(cfg.train.micro_batch_size), seq_len=int(cfg.train.seq_len), on_gpu=on_gpu)
 
     def replace(self, **changes) -> MemorySetup:
         return dataclasses.replace(self, **changes)
@@ -253,8 +255,9 @@ def plan_for(setup: MemorySetup, split: ParameterSplit | None = None) -> MemoryP
     activations = activation_bytes(setup)
     tokens = setup.micro_batch_size * setup.seq_len
     chunk = min(default_chunk_size(m.vocab_size, a), tokens)
-    transients = (1 + m.num_mtp_layers) * 4 * m.vocab_size * m.hidden_size \
-        + LOGIT_CHUNK_BYTES_PER_LOGIT * chunk * m.vocab_size
+    # one chunk's logits and their gradient in the compute dtype, plus the eager epilogue's fp32 copy off the GPU
+    per_logit = 2 * a + (0 if setup.on_gpu else EAGER_EPILOGUE_BYTES_PER_LOGIT)
+    transients = (1 + m.num_mtp_layers) * 4 * m.vocab_size * m.hidden_size + per_logit * chunk * m.vocab_size
     parts = {"weights": weights, "gradients": grads, "master weights": master, "optimizer moments": moments,
              "FP8 weight caches": caches, "activations": activations, "LM-head transients": transients}
     return MemoryPlan(setup, parts)

@@ -15,6 +15,7 @@ from model.loss import (
     default_chunk_size,
     linear_cross_entropy,
     softmax_cross_entropy_grad,
+    softmax_cross_entropy_grad_fusable,
 )
 
 
@@ -158,15 +159,30 @@ def test_no_tokens_by_vocab_tensor_exists_in_forward_or_backward():
             assert mode.largest >= bound
 
 
-def test_chunk_epilogue_matches_log_softmax():
+@pytest.mark.parametrize("epilogue", [softmax_cross_entropy_grad, softmax_cross_entropy_grad_fusable])
+def test_chunk_epilogue_matches_log_softmax(epilogue):
     logits = torch.randn(37, 501, dtype=torch.float64) * 5
     target = torch.randint(0, 501, (37,))
     weight = torch.rand(37, dtype=torch.float64)
-    nll, grad = softmax_cross_entropy_grad(logits, target, weight.float())
+    nll, grad = epilogue(logits, target, weight.float())
     logp = logits.log_softmax(-1)
     torch.testing.assert_close(nll.double(), -logp.gather(1, target[:, None]).squeeze(1), rtol=1e-6, atol=1e-6)
     expected = weight[:, None] * (logp.exp() - F.one_hot(target, 501))
     torch.testing.assert_close(grad, expected.float().double(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fusable_epilogue_gives_the_in_place_one_bit_for_bit(dtype):
+    """Eager, both compute the same fp32 expressions (the target's p - w by a select instead of p + (-w) by a
+    scatter: the same IEEE result), so the compiled path's source differs from the eager path's in form only."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 3001, generator=g) * 6).to(dtype)
+    target = torch.randint(0, 3001, (64,), generator=g)
+    weight = torch.rand(64, generator=g) * (torch.rand(64, generator=g) > 0.2)  # some rows ignored (weight 0)
+    nll, grad = softmax_cross_entropy_grad(logits, target, weight)
+    nll_f, grad_f = softmax_cross_entropy_grad_fusable(logits, target, weight)
+    assert grad_f.dtype == dtype
+    assert torch.equal(nll, nll_f) and torch.equal(grad, grad_f)
 
 
 def test_default_chunk_size_keeps_a_chunk_of_bf16_logits_under_1_gib():

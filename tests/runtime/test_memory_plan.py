@@ -47,8 +47,13 @@ def test_the_tiny_plan_part_by_part_as_computed_by_hand():
         "weights": 2 * p, "gradients": 4 * p,  # bf16 weights; whole fp32 gradients on each GPU
         "master weights": 4 * p / 2, "optimizer moments": 8 * p / 2,  # 1/world each
         "FP8 weight caches": 0, "activations": per_token * 128,
-        "LM-head transients": 2 * 4 * 8192 * 128 + 8 * 128 * 8192,  # fp32 dW per loss call; one chunk of logits
+        # fp32 dW per loss call; one chunk of bf16 logits and their bf16 gradient (the compiled epilogue on a GPU)
+        "LM-head transients": 2 * 4 * 8192 * 128 + (2 + 2) * 128 * 8192,
     }
+    # off the GPU: fp32 weights and activations, and the eager epilogue's fp32 copy of the chunk's logits
+    cpu = plan_for(MemorySetup(model, world=2, zero_stage=1, optimizer="adamw", micro_batch_size=2, seq_len=64,
+                               bf16=False, on_gpu=False))
+    assert cpu.parts["LM-head transients"] == 2 * 4 * 8192 * 128 + (4 + 4 + 4) * 128 * 8192
 
 
 @pytest.mark.parametrize("ep_size", [1, 2])
