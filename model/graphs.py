@@ -29,8 +29,9 @@ How (`LayerGraphs`; the capture follows `torch.cuda.make_graphed_callables`, wit
 - Falls back to eager for a forward in which any FP8 module collects health (the monitor's sampled steps): the
   graphs are released first, so that the eager step has the memory an eager run has, and captured again at the
   next training forward (one warm-up pass per block; the first capture makes `warmup` passes).
-- A capture that runs out of memory releases what it holds, logs a warning naming `model.cuda_graphs`, and the run
-  goes on eagerly (`disabled` says why).
+- A capture that runs out of memory releases what it holds, logs a warning naming `model.cuda_graphs` and what to
+  change (`out_of_memory_advice`: expandable segments where the allocator has none), and the run goes on eagerly
+  (`disabled` says why).
 
 Limits (refused with the key named, ling/config_check.py and `LayerGraphs.inputs_supported`): CUDA only;
 `model.recompute` none or selective (a fully checkpointed layer recomputes its forward inside backward); no
@@ -42,6 +43,7 @@ profile with `model.cuda_graphs=false` to see the kernels by part.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +58,19 @@ log = logging.getLogger(__name__)
 
 WARMUP_PASSES = 2  # eager forward+backward passes per block before the first capture (the first pass compiles)
 SLAB_ALIGNMENT = 128  # elements between two gradients in a slab (256 bytes in bf16)
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # where PyTorch reads its allocator settings
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def out_of_memory_advice() -> str:
+    """What to change after a capture ran out of memory. The capture needs room beside an eager step, and a
+    fragmented cache can refuse it with gigabytes reserved but unallocated, which PyTorch's expandable segments
+    avoid (the e64 proxy's FP8 step at micro-batch 12 captures only with them: docs/benchmarks.md)."""
+    advice = "set model.cuda_graphs=false or a smaller train.micro_batch_size"
+    if not any(EXPANDABLE_SEGMENTS in os.environ.get(name, "").replace(" ", "") for name in ALLOCATOR_ENV):
+        advice += (f", or start the run with PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS} when the error says much "
+                   "memory is reserved but unallocated")
+    return advice
 
 
 @dataclass
@@ -179,8 +194,8 @@ class LayerGraphs:
             except torch.OutOfMemoryError as error:
                 self.release()
                 self.disabled = f"capturing the layers' CUDA graphs ran out of GPU memory ({str(error)[:200]})"
-                log.warning("model.cuda_graphs: %s; the run goes on without CUDA graphs (set model.cuda_graphs=false "
-                            "or a smaller train.micro_batch_size)", self.disabled)
+                log.warning("model.cuda_graphs: %s; the run goes on without CUDA graphs (%s)", self.disabled,
+                            out_of_memory_advice())
                 return False
             self._key = key
         self._unalias_pending_grads()

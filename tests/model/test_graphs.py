@@ -11,7 +11,7 @@ import torch
 
 from fp8.linear import FP8Linear
 from model.config import ModelConfig
-from model.graphs import LayerGraphs, parameter_aliases
+from model.graphs import LayerGraphs, out_of_memory_advice, parameter_aliases
 from model.layers import _swiglu, qk_norm_rope, rms_norm
 from model.ling import LingForCausalLM
 from model.moe import route
@@ -58,6 +58,26 @@ def test_a_capture_out_of_memory_goes_on_eagerly_with_a_warning_and_the_buffers_
     for r, s in zip(eager.routers(), graphed.routers()):  # the failed capture's buffer writes undone
         assert torch.equal(r.tokens_per_expert, s.tokens_per_expert)
         assert torch.equal(r.expert_bias, s.expert_bias)
+
+
+def test_the_out_of_memory_advice_names_expandable_segments_only_where_the_allocator_has_none(monkeypatch, caplog):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    _OutOfMemoryCapture.attempts = 0
+    _, graphed = _models()
+    graphed.graphs = _OutOfMemoryCapture([*graphed.layers, *graphed.mtp_layers], graphed.graphs.chained)
+    ids = torch.randint(0, 64, (2, 16))
+    with caplog.at_level(logging.WARNING, logger="model.graphs"):
+        graphed(ids, labels=ids)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in caplog.text
+    assert "train.micro_batch_size" in out_of_memory_advice()
+    for name, value in (("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True"),
+                        ("PYTORCH_ALLOC_CONF", "expandable_segments:True")):
+        monkeypatch.setenv(name, value)
+        assert "expandable_segments" not in out_of_memory_advice(), name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert "expandable_segments:True" in out_of_memory_advice()
 
 
 def test_a_forward_that_collects_fp8_health_releases_the_graphs_and_runs_eagerly():
