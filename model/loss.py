@@ -63,9 +63,9 @@ def softmax_cross_entropy_grad_fusable(logits: torch.Tensor, target: torch.Tenso
     """`softmax_cross_entropy_grad` written for torch.compile: the same maths and signature, without in-place ops.
 
     The target's −row_weight is subtracted where a column index equals the target (a select, where the eager
-    version scatters into its fp32 copy), so Inductor makes two kernels that never hold the fp32 logits in memory:
-    the online softmax reduction (one read of the logits) and the pointwise gradient (a second read, one write in
-    the logits' dtype). Eager, this version allocates several fp32 [c, V] temporaries: use it compiled only.
+    version scatters into its fp32 copy), so Inductor never stores the fp32 logits: on the H200 (torch 2.11) it
+    makes one kernel that reads the logits twice (the online softmax, then the gradient) and writes the gradient
+    once in the logits' dtype. Eager, this version allocates several fp32 [c, V] temporaries: use it compiled only.
     """
     z = logits.float()
     z_max = z.amax(dim=-1, keepdim=True)

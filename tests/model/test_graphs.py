@@ -63,7 +63,6 @@ def test_a_capture_out_of_memory_goes_on_eagerly_with_a_warning_and_the_buffers_
 def test_the_out_of_memory_advice_names_expandable_segments_only_where_the_allocator_has_none(monkeypatch, caplog):
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
-    _OutOfMemoryCapture.attempts = 0
     _, graphed = _models()
     graphed.graphs = _OutOfMemoryCapture([*graphed.layers, *graphed.mtp_layers], graphed.graphs.chained)
     ids = torch.randint(0, 64, (2, 16))
