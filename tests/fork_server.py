@@ -9,8 +9,9 @@ runs as torchrun's workers: one child per rank with the environment torchrun giv
 What a forked run does not repeat is the import of its modules: their import-time code ran once, in the
 server, in train.py's order and under the run's environment (a server is started per environment; only
 PER_RUN's variables, which a child sets up itself, may differ). So a test that checks something of a fresh
-interpreter's start-up (DeepSpeed's import-time probes and banner, a run killed during start-up), signals a
-running process, or tests the launcher itself keeps starting real processes (`subprocess`).
+interpreter's start-up (DeepSpeed's import-time probes and banner, a run killed during start-up), kills a running
+process with SIGKILL, or tests the launcher itself keeps starting real processes (`subprocess`). SIGTERM, SIGINT
+and SIGHUP reach a child through this file's client (`python_command`), which passes them on.
 
 `run_script(argv, cwd, env, timeout, nproc=None)` → `subprocess.CompletedProcess`. A server starts on its first
 use in a worker (~10 s of wall time, once) and ends with the worker.

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from ling.analysis.evaluate import (
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
-from tests.fork_server import run_script
+from tests.fork_server import python_command, run_script
 from tests.helpers import ROOT
 
 SMALL = ModelConfig.preset("tiny", vocab_size=200, num_layers=2, num_experts=8, num_expert_groups=4,
@@ -226,9 +225,12 @@ def test_ctrl_c_stops_eval_py_with_a_line_not_a_traceback(tiny_runs):
     """SIGINT (Ctrl-C) while eval.py evaluates the whole train split: exit code 130, one line, no result file."""
     out = tiny_runs / "interrupted.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # SIGINT as a terminal's Ctrl-C finds it: a shell's background job (pytest run with &) ignores SIGINT, and a
-    # child inherits that
-    proc = subprocess.Popen([sys.executable, "eval.py", f"checkpoint={tiny_runs / 'bf16'}", "split=train",
+    # eval.py as a child of the fork server (the other eval.py runs' server) through its client, which passes
+    # SIGINT on (tests/fork_server.py): the child has a fresh interpreter's SIGINT handler, and what is tested is
+    # eval.py's handling of it, not its start-up. SIGINT as a terminal's Ctrl-C finds it: a shell's background job
+    # (pytest run with &) ignores SIGINT, and a child inherits that
+    env = {**env, **python_command(env)}
+    proc = subprocess.Popen([*env["PYTHON"].split(), "eval.py", f"checkpoint={tiny_runs / 'bf16'}", "split=train",
                              "batches=all", "progress_bar=true", f"output={out}"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

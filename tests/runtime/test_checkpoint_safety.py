@@ -8,8 +8,6 @@ import builtins
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +21,9 @@ from ling.checkpoint.weights import read_model_state
 from ling.files import sha256_file
 from model.ling import LingForCausalLM
 from tests.analysis.test_evaluate import eval_cfg
+from tests.fork_server import run_script
 from tests.runtime.test_hf import SMALL
-from tests.runtime.test_train_loop import run_train
+from tests.runtime.test_train_loop import run_train, train_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = "step00000002"
@@ -114,8 +113,9 @@ def test_hf_export_of_a_crafted_model_states_file_is_refused(real_run, tmp_path)
     folder = run / "checkpoints" / TAG
     marker = tmp_path / "ran"
     plant(folder / "mp_rank_00_model_states.pt", marker)
-    proc = subprocess.run([sys.executable, "-m", "ling.checkpoint.hf", "export", str(folder), str(tmp_path / "hf")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # a child of the fork server (tests/fork_server.py): `python -m ling.checkpoint.hf export ...` less the imports
+    proc = run_script(["-m", "ling.checkpoint.hf", "export", str(folder), str(tmp_path / "hf")], ROOT, train_env(),
+                      timeout=300)
     assert proc.returncode != 0 and "refused to load: it holds builtins.exec" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not marker.exists() and not (tmp_path / "hf").exists()
