@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ling.analysis.profiling import markdown  # noqa: E402
+from model.graphs import ALLOCATOR_ENV  # noqa: E402
 
 VARIANTS = {
     "bf16": ["precision=bf16", "optim=adamw"],
@@ -304,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n### {args.model}, seq {args.seq_len} x micro-batch (per row) x grad_accum {args.grad_accum}, "
           f"{args.steps} steps (medians after {args.warmup}; tokens per step grow with the micro-batch)\n")
+    allocator = [f"{name}={os.environ[name]}" for name in ALLOCATOR_ENV if os.environ.get(name)]
+    if allocator:  # every row's process inherits it: what fits (and how fast) can depend on it
+        print(f"Every row ran with {', '.join(allocator)}.\n")
     print(markdown(HEADER, table_rows(results)))
     for line in largest_vs_largest(results):
         print("\n" + line)

@@ -190,6 +190,21 @@ def test_both_profiles_of_one_variant_take_its_last_two_steps(monkeypatch):
                     "--warmup", "3"])
 
 
+def test_the_table_says_which_allocator_settings_every_row_ran_with(monkeypatch, capsys):
+    bench = load_bench("bench_train")
+    monkeypatch.setattr(bench, "run_variant", lambda spec, args, p=None, q=None:
+                        {"variant": spec, "micro": 1, "recompute": "none", "error": "OOM"})
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    bench.main(["--variants", "bf16"])
+    assert "Every row ran with" not in capsys.readouterr().out
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    bench.main(["--variants", "bf16"])
+    out = capsys.readouterr().out
+    assert "Every row ran with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True." in out
+    assert out.index("Every row ran with") < out.index("| variant | micro-batch")
+
+
 def wait_until(condition, deadline_s: float, what: str) -> None:
     """Poll `condition()` until it is true; fail naming `what` after `deadline_s` seconds (a generous deadline: a
     process start takes seconds on a loaded machine, not a fixed share of one)."""
