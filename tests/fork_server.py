@@ -209,6 +209,7 @@ PER_RUN = ("PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "PYTHONPATH", "MASTER_ADDR
            "LOCAL_RANK", "WORLD_SIZE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 _servers: dict[frozenset, dict] = {}
 SOCKET_VAR = "LING_FORK_SERVER"  # the client's server (python_command)
+CLIENT = (sys.executable, str(Path(__file__).resolve()))  # `python tests/fork_server.py`: the client's command
 _lock = threading.Lock()
 
 
@@ -266,7 +267,7 @@ def python_command(env: dict[str, str]) -> dict[str, str]:
     command a child of the server for `env` (through this file's client: `python tests/fork_server.py SCRIPT
     ARGS`, an interpreter that imports nothing heavy, hands its stdin, stdout, stderr, working directory and
     environment to the server, passes SIGTERM, SIGINT and SIGHUP on, and exits as the child did)."""
-    return {"PYTHON": f"{sys.executable} {Path(__file__).resolve()}", SOCKET_VAR: _socket_path(env)}
+    return {"PYTHON": " ".join(CLIENT), SOCKET_VAR: _socket_path(env)}
 
 
 def torchrun_env(rank: int, nproc: int, port: int) -> dict[str, str]:

@@ -25,7 +25,7 @@ from ling.analysis.evaluate import (
 from ling.analysis.step_error import format_step_errors
 from model.config import ModelConfig
 from model.ling import LingForCausalLM, shift_left
-from tests.fork_server import python_command, run_script
+from tests.fork_server import CLIENT, python_command, run_script
 from tests.helpers import ROOT
 
 SMALL = ModelConfig.preset("tiny", vocab_size=200, num_layers=2, num_experts=8, num_expert_groups=4,
@@ -230,7 +230,7 @@ def test_ctrl_c_stops_eval_py_with_a_line_not_a_traceback(tiny_runs):
     # eval.py's handling of it, not its start-up. SIGINT as a terminal's Ctrl-C finds it: a shell's background job
     # (pytest run with &) ignores SIGINT, and a child inherits that
     env = {**env, **python_command(env)}
-    proc = subprocess.Popen([*env["PYTHON"].split(), "eval.py", f"checkpoint={tiny_runs / 'bf16'}", "split=train",
+    proc = subprocess.Popen([*CLIENT, "eval.py", f"checkpoint={tiny_runs / 'bf16'}", "split=train",
                              "batches=all", "progress_bar=true", f"output={out}"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
