@@ -44,9 +44,15 @@ def _models() -> tuple[LingForCausalLM, LingForCausalLM]:
     return eager, graphed
 
 
+def _failing_capture(graphed: LingForCausalLM) -> LingForCausalLM:
+    """`graphed` with every capture running out of memory."""
+    graphed.graphs = _OutOfMemoryCapture([*graphed.layers, *graphed.mtp_layers], graphed.graphs.chained)
+    return graphed
+
+
 def test_a_capture_out_of_memory_goes_on_eagerly_with_a_warning_and_the_buffers_restored(caplog):
     eager, graphed = _models()
-    graphed.graphs = _OutOfMemoryCapture([*graphed.layers, *graphed.mtp_layers], graphed.graphs.chained)
+    _failing_capture(graphed)
     ids = torch.randint(0, 64, (2, 16))
     with caplog.at_level(logging.WARNING, logger="model.graphs"):
         losses = [graphed(ids, labels=ids).loss for _ in range(2)]
@@ -63,8 +69,7 @@ def test_a_capture_out_of_memory_goes_on_eagerly_with_a_warning_and_the_buffers_
 def test_the_out_of_memory_advice_names_expandable_segments_only_where_the_allocator_has_none(monkeypatch, caplog):
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
-    _, graphed = _models()
-    graphed.graphs = _OutOfMemoryCapture([*graphed.layers, *graphed.mtp_layers], graphed.graphs.chained)
+    graphed = _failing_capture(_models()[1])
     ids = torch.randint(0, 64, (2, 16))
     with caplog.at_level(logging.WARNING, logger="model.graphs"):
         graphed(ids, labels=ids)
