@@ -85,7 +85,7 @@ from kernels.tuning import Tuning
 if HAS_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fp8.triton_blocks import b_scale_ptrs, block_and_chunk, promote, scale_from_amax_tl, tma_k_loop
+    from fp8.triton_blocks import b_scale_ptrs, block_and_chunk, promote, quantize_along_tl, tma_k_loop
 
 __all__ = [
     "GroupedRows",
@@ -480,8 +480,7 @@ if HAS_TRITON:
         else:
             v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
             v = v.to(tl.float32)
-        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=0), tl.sum((v != v).to(tl.int32), axis=0), POW2)
-        q = tl.math.div_rn(v, scale[None, :]).to(tl.float8e4nv)
+        q, scale = quantize_along_tl(v, 0, POW2)
         cols = pid_b * 128 + tl.arange(0, 128)  # the whole block: its rows past the segment's end are zeros
         tl.store(qt_ptr + offs_k[None, :] * stride_qtk + cols[:, None] * stride_qtm, q, mask=k_ok[None, :])
         tl.store(st_ptr + offs_k * stride_stk + pid_b * stride_stb, scale, mask=k_ok)
@@ -489,8 +488,8 @@ if HAS_TRITON:
     @triton.jit
     def _quant_block(v, q_ptrs, s_ptrs, mask, m_ok, POW2: tl.constexpr):
         """Quantize a [rows, 128] fp32 block 1x128 along its columns; store the codes and the row scales."""
-        scale = scale_from_amax_tl(tl.max(tl.abs(v), axis=1), tl.sum((v != v).to(tl.int32), axis=1), POW2)
-        tl.store(q_ptrs, tl.math.div_rn(v, scale[:, None]).to(tl.float8e4nv), mask=mask)
+        q, scale = quantize_along_tl(v, 1, POW2)
+        tl.store(q_ptrs, q, mask=mask)
         tl.store(s_ptrs, scale, mask=m_ok)
 
     @triton.jit

@@ -29,7 +29,7 @@ from kernels.backend import HAS_TRITON, blocks_by_chunks_grid, cdiv, tl, triton,
 from kernels.tuning import Tuning
 
 if HAS_TRITON:
-    from fp8.triton_blocks import block_and_chunk, scale_from_amax_tl
+    from fp8.triton_blocks import amax_tl, block_and_chunk, divide_by_scale, quantize_along_tl, scale_from_amax_tl
 
 __all__ = [
     "BLOCK",
@@ -194,8 +194,7 @@ if HAS_TRITON:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m_ok[:, None] & k_ok,
                         other=0.0)  # fmt: skip
         x = x.to(tl.float32)
-        scale = scale_from_amax_tl(tl.max(tl.abs(x), axis=1), tl.sum((x != x).to(tl.int32), axis=1), POW2)
-        q = tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv)
+        q, scale = quantize_along_tl(x, 1, POW2)
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :] * stride_qk, q, mask=m_ok[:, None] & k_ok)
         tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sk, scale, mask=m_ok)
 
@@ -223,8 +222,7 @@ if HAS_TRITON:
         if HAS_IN_SCALE:  # a chunk lies inside one 128-wide K block of the input scales
             xs = tl.load(xs_ptr + offs_m * stride_xsm + (pid_k * BLOCK_F // 128) * stride_xsk, mask=m_ok, other=0.0)
             x = x * xs[:, None]
-        scale = scale_from_amax_tl(tl.max(tl.abs(x), axis=0), tl.sum((x != x).to(tl.int32), axis=0), POW2)
-        q = tl.math.div_rn(x, scale[None, :]).to(tl.float8e4nv)
+        q, scale = quantize_along_tl(x, 0, POW2)
         # transposed store by address arithmetic (the compiler moves the bytes through shared memory)
         tl.store(qt_ptr + offs_k[None, :] * stride_qtk + offs_m[:, None] * stride_qtm, q, mask=mask)
         tl.store(st_ptr + offs_k * stride_stk + pid_m * stride_stm, scale, mask=k_ok)
@@ -244,10 +242,8 @@ if HAS_TRITON:
         mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=mask, other=0.0)
         w = w.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-        nan_count = tl.sum(tl.sum((w != w).to(tl.int32), axis=1), axis=0)
-        scale = scale_from_amax_tl(amax, nan_count, POW2)
-        q = tl.math.div_rn(w, scale).to(tl.float8e4nv)
+        scale = scale_from_amax_tl(amax_tl(amax_tl(w, 1), 0), POW2)
+        q = divide_by_scale(w, scale, tl.math.div_rn(1.0, scale)).to(tl.float8e4nv)
         tl.store(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] * stride_qk, q, mask=mask)
         tl.store(s_ptr + pid_n * stride_sn + pid_k * stride_sk, scale)
         if TRANSPOSE:  # transposed store by address arithmetic

@@ -1,6 +1,7 @@
 """Triton building blocks shared by the FP8 kernels of fp8/quant.py, fp8/gemm.py and fp8/grouped.py: a block's
-scale from its amax, the pointers to B's scales, the per-K-block promotion of a partial product, and the K loop of
-the TMA GEMMs built from them (`tma_k_loop`), and a (row block, feature chunk) program's ids (`block_and_chunk`).
+amax, scale and codes (`quantize_along_tl`), the pointers to B's scales, the per-K-block promotion of a partial
+product, and the K loop of the TMA GEMMs built from them (`tma_k_loop`), and a (row block, feature chunk) program's
+ids (`block_and_chunk`).
 
 Defined only when Triton imports (`kernels.backend.HAS_TRITON`: import them under the same condition); they are
 `@triton.jit` functions, callable from kernels only.
@@ -10,7 +11,16 @@ from __future__ import annotations
 
 from kernels.backend import HAS_TRITON, tl, triton
 
-__all__ = ["b_scale_ptrs", "block_and_chunk", "promote", "scale_from_amax_tl", "tma_k_loop"]
+__all__ = [
+    "amax_tl",
+    "b_scale_ptrs",
+    "block_and_chunk",
+    "divide_by_scale",
+    "promote",
+    "quantize_along_tl",
+    "scale_from_amax_tl",
+    "tma_k_loop",
+]
 
 if HAS_TRITON:
 
@@ -23,10 +33,19 @@ if HAS_TRITON:
         return tl.program_id(0), tl.program_id(1)
 
     @triton.jit
-    def scale_from_amax_tl(amax, nan_count, POW2: tl.constexpr):
-        """Kernel twin of `fp8.quant.scale_from_amax` (NaN handled explicitly: max/min instructions drop NaN)."""
-        amax = tl.maximum(amax, 4.48e-10)  # fp8.format.OPERAND_AMAX_FLOOR (1e-12 * 448), as an fp32 literal
-        amax = tl.where(nan_count > 0, float("nan"), amax)
+    def _max_keep_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def amax_tl(v, AXIS: tl.constexpr):
+        """max |v| along AXIS, NaN where any value is NaN (`tl.max` drops NaN: max.f32 is maxNum)."""
+        return tl.reduce(tl.abs(v), AXIS, _max_keep_nan)
+
+    @triton.jit
+    def scale_from_amax_tl(amax, POW2: tl.constexpr):
+        """Kernel twin of `fp8.quant.scale_from_amax`: NaN amax gives a NaN scale, Inf an Inf one."""
+        # fp8.format.OPERAND_AMAX_FLOOR (1e-12 * 448), as an fp32 literal
+        amax = tl.maximum(amax, 4.48e-10, propagate_nan=tl.PropagateNan.ALL)
         scale = tl.math.div_rn(amax, 448.0)
         if POW2:
             bits = scale.to(tl.int32, bitcast=True)
@@ -35,6 +54,33 @@ if HAS_TRITON:
             bits = tl.where(exp_bits == 0x7F800000, bits, rounded)
             scale = bits.to(tl.float32, bitcast=True)
         return scale
+
+    @triton.jit
+    def divide_by_scale(v, scale, reciprocal):
+        """RN(v / scale) in fp32, bit for bit `tl.math.div_rn(v, scale)`, from reciprocal = div_rn(1, scale)
+        computed once per scale (v, scale and reciprocal broadcast together).
+
+        q = RN(v·r) is within an ulp of the quotient, so the residual v − q·scale is exact in one FMA and
+        RN(q + residual·r) is the correctly rounded quotient (Markstein's theorem, given a correctly rounded r and a
+        residual in fp32's normal range: |v| ≥ 2⁻¹⁰⁰; a smaller v has a quotient below 2⁻⁶⁰ with the quantizers'
+        scales ≥ 1e-12, which E4M3 rounds to a signed zero either way). Three multiply-adds per value instead of
+        div.rn's sequence (a reciprocal approximation per value and its refinement). A zero residual keeps q (an
+        exact quotient: −0 stays −0); a NaN residual means scale = Inf, where q = v·0 is already v / Inf (±0, or
+        NaN for an infinite v). tests/fp8/test_division.py checks it against IEEE division."""
+        q = v * reciprocal
+        residual = tl.fma(-q, scale, v)
+        keep = (residual == 0.0) | (residual != residual)
+        return tl.where(keep, q, tl.fma(residual, reciprocal, q))
+
+    @triton.jit
+    def quantize_along_tl(v, AXIS: tl.constexpr, POW2: tl.constexpr):
+        """1x128 blockwise E4M3 quantization of the fp32 block v, one block per line along AXIS (its 128 values lie
+        along AXIS): (codes shaped like v, fp32 scales shaped like v without AXIS). The kernels' twin of
+        `fp8.quant.quantize_1x128_ref`'s maths."""
+        scale = scale_from_amax_tl(amax_tl(v, AXIS), POW2)
+        s = tl.expand_dims(scale, AXIS)
+        r = tl.expand_dims(tl.math.div_rn(1.0, scale), AXIS)
+        return divide_by_scale(v, s, r).to(tl.float8e4nv), scale
 
     @triton.jit
     def b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE: tl.constexpr, BLOCK_N: tl.constexpr):
