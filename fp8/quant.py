@@ -5,7 +5,8 @@ Conventions (shared by every function here and by `fp8/gemm.py`):
   448 with OPERAND_AMAX_FLOOR = 1e-12 * 448 (an all-zero block gets scale 1e-12 and stays exactly zero). With
   `pow2_scales=True` the scale is rounded UP to a power of two (exact bit manipulation, so the quantized
   values never exceed 448). dequantized = x_fp8.float() * scale (per block).
-- q = RN_e4m3(x / scale): fp32 IEEE division (`div_rn` in the kernels), then round-to-nearest-even to E4M3.
+- q = RN_e4m3(x / scale): fp32 IEEE division (in the kernels one reciprocal per scale and a correction per value,
+  `fp8.triton_blocks.divide_by_scale`, the same bits), then round-to-nearest-even to E4M3.
 - 1x128 tiles along the last dim: x [M, K] -> x_fp8 [M, K] and scale [M, ceil(K/128)]. The scale tensor is
   stored with the row index fastest (`scale.stride() == (1, M)`, the layout cuBLAS/DeepGEMM use for LHS
   scales, so the GEMM reads BLOCK_M consecutive floats per K block); call `.contiguous()` if you need
@@ -65,7 +66,7 @@ def scale_from_amax(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tens
     amax = torch.clamp(amax.float(), min=OPERAND_AMAX_FLOOR)
     # divisor as a tensor on amax's device: for a Python-scalar divisor PyTorch's CUDA kernel multiplies by the
     # fp32 reciprocal instead (1 ulp off IEEE division for some amax), which made this reference disagree
-    # with the kernels' div_rn on GPU
+    # with the kernels' IEEE division on GPU
     scale = amax / amax.new_full((), E4M3_MAX)
     if pow2_scales:
         bits = scale.view(torch.int32)

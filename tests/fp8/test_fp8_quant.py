@@ -152,6 +152,27 @@ def test_nan_inf_are_not_clipped(device, request):
         assert bits_equal(q, qr) and bits_equal(s, sr)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_of_either_sign_and_inf_reach_every_kernel_s_scales(device, request):
+    """A NaN (either sign bit) makes its block's scale NaN and an Inf makes it Inf, in the row, token-dim and
+    128x128 kernels alike; the other blocks keep finite scales and the reference's bits."""
+    setup_device(device, request)
+    x = torch.randn(256, 384)
+    x[5, 7] = float("nan")
+    x[130, 300] = -float("nan")
+    x[200, 140] = -float("inf")
+    x = x.to(device)
+    for q, s, (qr, sr) in (
+        (*quantize_1x128(x, backend="triton"), quantize_1x128_ref(x.cpu())),
+        (*quantize_1x128_transposed(x, backend="triton"), quantize_1x128_transposed_ref(x.cpu())),
+        (*quantize_128x128(x, backend="triton"), quantize_128x128_ref(x.cpu())),
+    ):
+        assert bits_equal(q, qr) and bits_equal(s, sr)
+        assert torch.isnan(s).sum() == 2 and torch.isinf(s).sum() == 1 and (s.cpu() > 0).sum() == s.numel() - 2
+    s = quantize_128x128(x, backend="triton")[1].cpu()
+    assert torch.isnan(s[0, 0]) and torch.isnan(s[1, 2]) and s[1, 1] == float("inf")
+
+
 def test_bad_input_errors():
     with pytest.raises(ValueError, match="2-D"):
         quantize_1x128(torch.randn(2, 3, 4))
