@@ -111,12 +111,18 @@ def layer_cases(cfg: ModelConfig, tokens: int, device: str, seed: int = 0) -> li
                  lambda dy=dy: quantize_1x128_transposed(dy), _whole, rows_and_tokens(tokens, n_out, False)),
         ]  # fmt: skip
     # the routed experts (fp8/grouped.py's autograd function, fp8.expert_wgrad=fp8)
-    h_up = randn(rows.num_rows, 2 * inter)
+    # routed rows as training makes them: the padding rows (row_src < 0) and the unused ones are zero, gate 0
+    data = (src >= 0)[:, None]
+
+    def routed_rows(width: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.where(data, randn(rows.num_rows, width, scale=scale), 0.0).to(torch.bfloat16)
+
+    h_up = routed_rows(2 * inter)
     h_q, h_s = quantize_1x128(h_up)
-    gate = torch.rand(rows.num_rows, generator=gen, device=device)
-    da = randn(rows.num_rows, inter, scale=1e-3)
+    gate = torch.where(data[:, 0], torch.rand(rows.num_rows, generator=gen, device=device), 0.0)
+    da = routed_rows(inter, 1e-3)
     dout = randn(tokens, h, scale=1e-3)
-    dh = randn(rows.num_rows, 2 * inter, scale=1e-3)
+    dh = routed_rows(2 * inter, 1e-3)
     w_gu_q, w_gu_s = G.quantize_expert_weights(randn(e, 2 * inter, h, scale=0.02))
     w_d_q, w_d_s = G.quantize_expert_weights(randn(e, h, inter, scale=0.02))
     gathered = tokens * h * BF16 + routed * h * FP8 + scales(routed * h)
