@@ -63,6 +63,15 @@ def _whole(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
+def fp8_linears(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(part, out features, in features) of one MoE decoder layer's FP8Linears: QKV, o_proj, the shared expert's
+    gate_up and down."""
+    h, shared = cfg.hidden_size, cfg.num_shared_experts * cfg.expert_intermediate_size
+    qkv, attn_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.num_heads * cfg.head_dim
+    return [("attention", qkv, h), ("attention", h, attn_out), ("shared expert", 2 * shared, h),
+            ("shared expert", h, shared)]  # fmt: skip
+
+
 def layer_cases(cfg: ModelConfig, tokens: int, device: str, seed: int = 0) -> list[Case]:
     """The quantizations of one MoE decoder layer's forward + backward for `tokens` tokens, in call order."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -71,18 +80,14 @@ def layer_cases(cfg: ModelConfig, tokens: int, device: str, seed: int = 0) -> li
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
 
     h, e, k, inter = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_intermediate_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    attn_out = cfg.num_heads * cfg.head_dim
-    shared = cfg.num_shared_experts * inter
     idx = torch.rand(tokens, e, generator=gen, device=device).topk(k, dim=1).indices
     plan = plan_dispatch(idx, e, cfg.moe_pad_multiple)
     rows, src = plan.rows, plan.row_src
-    used_rows = int(rows.offsets[-1])
+    routed = int(rows.offsets[-1])  # rows the grouped quantizers write (the padded segments)
     used_blocks = int(rows.block_offsets()[-1])
-    routed = used_rows  # rows the grouped quantizers write (the padded segments)
 
     def row_part(out: tuple) -> tuple:
-        return tuple(t[:used_rows] for t in out)
+        return tuple(t[:routed] for t in out)
 
     def block_part(out: tuple) -> tuple:
         q, s = out
@@ -91,24 +96,23 @@ def layer_cases(cfg: ModelConfig, tokens: int, device: str, seed: int = 0) -> li
     def scales(values: float) -> float:
         return values / 128 * FP32
 
-    def rows_and_tokens(m: int, n: int, dual: bool) -> float:
-        written = 2 * m * n * FP8 + 2 * scales(m * n) if dual else m * n * FP8 + scales(m * n)
-        return m * n * BF16 + written
+    def quantized(m: int, n: int, copies: int = 1) -> float:
+        """A bf16 [m, n] read once and `copies` E4M3 quantizations of it written with their scales."""
+        return m * n * BF16 + copies * (m * n * FP8 + scales(m * n))
 
     x = randn(tokens, h)
     cases = []
     # FP8Linears: forward quantize_1x128_dual(x) (rows for the GEMM, token-dim for wgrad), backward dy both ways
-    for part, n_in, n_out in (("attention", h, qkv), ("attention", attn_out, h),
-                              ("shared expert", h, 2 * shared), ("shared expert", shared, h)):  # fmt: skip
+    for part, n_out, n_in in fp8_linears(cfg):
         xi, dy = randn(tokens, n_in), randn(tokens, n_out, scale=1e-3)
         linear = f"[{n_out}, {n_in}]"
         cases += [
             Case(part, f"x dual (rows + token-dim), linear {linear}", f"[{tokens}, {n_in}]",
-                 lambda xi=xi: quantize_1x128_dual(xi), _whole, rows_and_tokens(tokens, n_in, True)),
+                 lambda xi=xi: quantize_1x128_dual(xi), _whole, quantized(tokens, n_in, copies=2)),
             Case(part, f"dy rows, linear {linear}", f"[{tokens}, {n_out}]",
-                 lambda dy=dy: quantize_1x128(dy), _whole, rows_and_tokens(tokens, n_out, False)),
+                 lambda dy=dy: quantize_1x128(dy), _whole, quantized(tokens, n_out)),
             Case(part, f"dy token-dim, linear {linear}", f"[{tokens}, {n_out}]",
-                 lambda dy=dy: quantize_1x128_transposed(dy), _whole, rows_and_tokens(tokens, n_out, False)),
+                 lambda dy=dy: quantize_1x128_transposed(dy), _whole, quantized(tokens, n_out)),
         ]  # fmt: skip
     # the routed experts (fp8/grouped.py's autograd function, fp8.expert_wgrad=fp8)
     # routed rows as training makes them: the padding rows (row_src < 0) and the unused ones are zero, gate 0
@@ -161,11 +165,9 @@ def weight_cases(cfg: ModelConfig, device: str) -> list[Case]:
     transposes (the weight caches), the experts' stacked [E, N, K]."""
     gen = torch.Generator(device=device).manual_seed(1)
     h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.expert_intermediate_size
-    qkv, attn_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.num_heads * cfg.head_dim
-    shared = cfg.num_shared_experts * inter
     part = "weights (per optimizer step)"
     out = []
-    for n, k in ((qkv, h), (h, attn_out), (2 * shared, h), (h, shared)):
+    for _, n, k in fp8_linears(cfg):
         w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
         out.append(Case(part, f"128x128 + transpose, linear [{n}, {k}]", f"[{n}, {k}]",
                         lambda w=w: quantize_128x128_with_transpose(w), _whole, n * k * (BF16 + 2 * FP8)))  # fmt: skip
