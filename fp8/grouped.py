@@ -59,6 +59,7 @@ from fp8.gemm_sm90 import (
     sm90_available,
 )
 from fp8.quant import (
+    check_token_chunk_launch,
     dequantize_1x128,
     dequantize_128x128,
     fp8_transpose_128x128,
@@ -624,6 +625,9 @@ class GroupedConfig:
     tokens_features_first: bool = True
     gathered_features_first: bool = False
 
+    def __post_init__(self) -> None:
+        check_token_chunk_launch("GroupedConfig.tokens_block_f / tokens_warps", self.tokens_block_f, self.tokens_warps)
+
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(
     "fp8.grouped",
@@ -782,9 +786,7 @@ def _launch_tokens_grouped(x, xs, row_idx, gate, rows: GroupedRows, k: int, prol
     st = torch.empty(nb, k, device=x.device, dtype=torch.float32).t()
     if rows.num_rows and k:
         tuning = GROUPED_TUNING.current()
-        bf = tuning.tokens_block_f
-        if BLOCK % bf:  # a chunk must lie inside one 128-wide block of the input scales
-            raise ValueError(f"GroupedConfig.tokens_block_f must divide {BLOCK}, got {bf}")
+        bf = tuning.tokens_block_f  # checked by GroupedConfig: divides 128, inside one block of the input scales
         dummy = st
         xs_ = xs if xs is not None else dummy
         features_first = tuning.gathered_features_first if row_idx is not None else tuning.tokens_features_first

@@ -280,6 +280,29 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------------------
 # Launch configuration (the default beside the kernels; a benchmark's sweep or a test overrides it in a block)
 # ----------------------------------------------------------------------------------------------------------
+# The most fp32 values of one token-dim chunk ([128 tokens, block_f features]) a thread may hold: above it the
+# compiled kernel spills registers and compiles for about a minute per variant (16 features on one warp hold 64;
+# 128 features on one warp held 512 and took 59.8 s on an H100, docs/kernel_tuning.md).
+MAX_TOKEN_CHUNK_VALUES_PER_THREAD = 128
+
+
+def check_token_chunk_launch(owner: str, block_f: int, warps: int) -> None:
+    """Raise ValueError unless a token-dim quantizer's chunk of `block_f` features on `warps` warps is launchable:
+    block_f divides 128 (a chunk lies inside one 128-wide K block: input scales, tails) and each thread holds at
+    most MAX_TOKEN_CHUNK_VALUES_PER_THREAD values. `owner` names the config fields in the message."""
+    if block_f < 1 or BLOCK % block_f:
+        raise ValueError(f"{owner}: the features per program must divide {BLOCK}, got {block_f}")
+    if warps < 1:
+        raise ValueError(f"{owner}: the warps per program must be positive, got {warps}")
+    per_thread = BLOCK * block_f // (32 * warps)
+    if per_thread > MAX_TOKEN_CHUNK_VALUES_PER_THREAD:
+        raise ValueError(
+            f"{owner}: {block_f} features x {BLOCK} tokens on {warps} warp(s) put {per_thread} fp32 values in each "
+            f"thread, more than {MAX_TOKEN_CHUNK_VALUES_PER_THREAD} (the kernel would spill and compile for a "
+            f"minute); use at least {BLOCK * block_f // (32 * MAX_TOKEN_CHUNK_VALUES_PER_THREAD)} warps"
+        )
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Launch shape of the quantize kernels; every choice gives the same bits (tests/fp8/test_fp8_quant.py).
@@ -297,6 +320,9 @@ class QuantConfig:
     col_features_first: bool = True  # the token-dim kernel's grid walks a block's feature chunks first
     transpose_block: int = 64  # square tile of the FP8 transpose
     trans32: bool = True  # transpose widened to 32-bit lanes (byte transposes take a slow path)
+
+    def __post_init__(self) -> None:
+        check_token_chunk_launch("QuantConfig.col_block_f / col_warps", self.col_block_f, self.col_warps)
 
 
 QUANT_TUNING: Tuning[QuantConfig] = Tuning("fp8.quant", QuantConfig())
@@ -339,9 +365,7 @@ def _launch_tokens(
     if m and k:
         xs = x_scale if x_scale is not None else st  # placeholder, never read without HAS_IN_SCALE
         cfg = QUANT_TUNING.current()
-        bf = cfg.col_block_f
-        if BLOCK % bf:  # a chunk must lie inside one 128-wide K block (input scales, tails)
-            raise ValueError(f"QuantConfig.col_block_f must divide {BLOCK}, got {bf}")
+        bf = cfg.col_block_f  # checked by QuantConfig: divides 128, so a chunk lies inside one K block
         grid, features_first = blocks_by_chunks_grid(cdiv(m, BLOCK), cdiv(k, bf), cfg.col_features_first)
         _quant_tokens_kernel[grid](
             x, xs, qt, st, m, k, x.stride(0), x.stride(1), xs.stride(0), xs.stride(1),

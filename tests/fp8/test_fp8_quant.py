@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp8.grouped import GROUPED_TUNING
 from fp8.quant import (
+    MAX_TOKEN_CHUNK_VALUES_PER_THREAD,
     QUANT_TUNING,
     dequantize_1x128,
     e4m3_code_distance,
@@ -180,6 +182,24 @@ def test_bad_input_errors():
         quantize_1x128_transposed(torch.randn(4, 128), torch.ones(4, 1))
     with pytest.raises(ValueError, match="backend"):
         quantize_1x128(torch.randn(4, 128), backend="cuda")
+
+
+
+@pytest.mark.parametrize("tuning, f_key, w_key", [(QUANT_TUNING, "col_block_f", "col_warps"),
+                                                  (GROUPED_TUNING, "tokens_block_f", "tokens_warps")])
+def test_token_dim_launches_that_cannot_run_well_are_refused_when_configured(tuning, f_key, w_key):
+    """A chunk width that does not divide 128 is wrong; one that puts more than MAX_TOKEN_CHUNK_VALUES_PER_THREAD
+    values in a thread spills and compiles for a minute: both fail at the override, naming the fields."""
+    with pytest.raises(ValueError, match=f"{f_key}.*must divide 128, got 48"):
+        with tuning.override(**{f_key: 48}):
+            pass
+    with pytest.raises(ValueError, match=f"{f_key} / {w_key}.*512 fp32 values.*at least 4 warps"):
+        with tuning.override(**{f_key: 128, w_key: 1}):
+            pass
+    edge_warps = 128 * 128 // (32 * MAX_TOKEN_CHUNK_VALUES_PER_THREAD)
+    with tuning.override(**{f_key: 128, w_key: edge_warps}) as cfg:  # exactly at the bound: allowed
+        assert tuning.current() is cfg
+    assert getattr(tuning.current(), f_key) != 128  # and the default came back
 
 
 def test_e4m3_code_distance_counts_values_between_across_zero():
