@@ -21,6 +21,7 @@ from fp8.grouped import fp8_grouped_experts, quantize_expert_weights
 from fp8.health import grouped_experts_health
 from fp8.linear import WeightCache
 from kernels.fusable import Fusable
+from kernels.routing import select_experts
 from model.config import ModelConfig
 from model.dispatch import DispatchPlan, expert_parallel, permute, plan_dispatch, row_gates, unpermute
 from model.layers import MLP, scope, use_compiled
@@ -99,22 +100,6 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tenso
     probs = scores / scores.sum(-1, keepdim=True)
     aux_loss = num_experts * (counts.float() / topk_idx.numel() * probs.mean(0)).sum()
     return topk_idx, weight, z_loss, aux_loss, counts
-
-
-@torch.no_grad()
-def select_experts(scores: torch.Tensor, expert_bias: torch.Tensor, num_groups: int, topk_groups: int,
-                   top_k: int) -> torch.Tensor:
-    """scores fp32 [N, E], expert_bias fp32 [E] → int64 [N, k]: the top-k biased scores inside the top
-    `topk_groups` groups (a group's score: the sum of its top-2 biased scores)."""
-    n = scores.shape[0]
-    biased = scores + expert_bias
-    grouped = biased.view(n, num_groups, -1)
-    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
-    group_idx = group_scores.topk(topk_groups, dim=-1).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
-    masked = biased.masked_fill(~expert_mask, float("-inf"))
-    return masked.topk(top_k, dim=-1).indices
 
 
 @torch.no_grad()
