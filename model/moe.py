@@ -42,8 +42,9 @@ class Router(nn.Module):
     """Sigmoid router with group-limited top-k and an aux-loss-free expert bias.
 
     Logits are computed in fp32. Selection uses score + expert_bias: a group's score is the sum of its
-    top-2 biased scores, the top `topk_groups` groups are kept, then the top-k experts inside them. The
-    gates are the *unbiased* sigmoid scores of the chosen experts, normalised to sum 1 and scaled.
+    top-2 biased scores, the top `topk_groups` groups are kept, then the top-k experts inside them, largest first
+    (`kernels.routing.select_experts`: one Triton kernel on CUDA; ties to the lower index). The gates are the
+    *unbiased* sigmoid scores of the chosen experts, normalised to sum 1 and scaled.
     """
 
     def __init__(self, config: ModelConfig) -> None:
