@@ -84,8 +84,8 @@ if HAS_TRITON:
         groups_left = (gcols < NUM_GROUPS)[None, :] & r_ok[:, None]
         for _ in tl.static_range(TOPK_GROUPS):
             _, groups_left = _take_largest(group_scores, groups_left, gcols)
-        kept = (gcols < NUM_GROUPS)[None, :] & ~groups_left  # [BLOCK_N, BLOCK_G]
-        experts_left = tl.zeros((BLOCK_N, BLOCK_E), tl.int1)
+        kept = (gcols < NUM_GROUPS)[None, :] & (groups_left == 0)  # [BLOCK_N, BLOCK_G]
+        experts_left = tl.zeros((BLOCK_N, BLOCK_E), tl.int32) != 0
         for g in tl.static_range(NUM_GROUPS):
             kept_g = tl.sum(((gcols[None, :] == g) & kept).to(tl.int32), 1) > 0
             experts_left = experts_left | ((col_group == g)[None, :] & kept_g[:, None])
