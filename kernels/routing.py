@@ -4,8 +4,8 @@ Selection (DeepSeek-V3's and Ling's): the biased scores v = score + expert_bias;
 two largest v; the `topk_groups` best groups are kept; the `top_k` largest v inside them are the token's experts,
 largest first. Ties rank the lower index first (the reference sorts stably), and NaN ranks above every number (as
 in `torch.sort` / `torch.topk`), so the kernel and the reference choose the same experts in the same order bit for
-bit. On CUDA the kernel replaces three `topk` calls and the masks between them (two sorts and ≈ 70 ms of a
-ling_mini_2_0_e64 FP8 step on the H200, docs/benchmarks.md).
+bit. On CUDA the kernel replaces three `topk` calls, two sorts and the masks between them (its timings:
+docs/benchmarks.md, seventh session).
 """
 
 from __future__ import annotations
