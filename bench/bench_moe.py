@@ -14,8 +14,9 @@ vs bf16, weights cached as within one optimizer step of gradient accumulation. Q
 token-dim quantizations, median ms. Routing comes from the real router with random weights and a mild imbalance.
 Markdown tables are printed last.
 
-`--dispatch`: the dispatch of one layer without expert parallelism, on its own: `plan_dispatch` (routing-map
-padding to 16) and the bf16 permute + combine forward+backward, median ms, plus the host syncs counted by
+`--dispatch`: the dispatch of one layer without expert parallelism, on its own: the router's expert selection
+(`kernels.routing.select_experts`, the kernel and its PyTorch reference, on random scores), `plan_dispatch`
+(routing-map padding to 16) and the bf16 permute + combine forward+backward, median ms, plus the host syncs counted by
 CUDA's sync debug mode (0). `--ep` (under torchrun, N ranks = N GPUs, each routing its own tokens): one MoE
 layer forward+backward with moe.ep_size = N against the layer holding all experts on the same tokens per GPU
 (slowest rank's median), the all-to-all of one layer's rows alone, and the host syncs of one forward (1: the
@@ -42,6 +43,7 @@ from bench_fp8_linear import SM90_SWEEP, gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
 from fp8.quant import QUANT_TUNING, fp8_transpose_128x128, quantize_1x128  # noqa: E402
+from kernels.routing import select_experts, select_experts_ref  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.dispatch import permute, plan_dispatch, unpermute  # noqa: E402
 from model.graphs import LayerGraphs  # noqa: E402
@@ -312,8 +314,13 @@ def layer_variant(name: str, cfg: ModelConfig, tokens: int, experts: int, state:
 
 
 def dispatch_rows(tokens: int, experts: int) -> dict:
-    """ep_size=1: plan_dispatch alone and the bf16 permute + combine forward+backward (no experts)."""
+    """ep_size=1: the router's expert selection (the kernel and its PyTorch reference), plan_dispatch alone and the
+    bf16 permute + combine forward+backward (no experts)."""
     idx, _ = routing(tokens, experts)
+    cfg = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
+    scores = torch.rand(tokens, experts, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    bias = torch.linspace(0, 0.02, experts, device="cuda")
+    select = (cfg.num_expert_groups, cfg.topk_groups, cfg.num_experts_per_tok)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     plan = plan_dispatch(idx, experts, 16)
@@ -322,8 +329,10 @@ def dispatch_rows(tokens: int, experts: int) -> dict:
         x.grad = None
         unpermute(permute(x, plan), plan).backward(g)
 
-    return {"tokens": tokens, "experts": experts, "plan_ms": bench(lambda: plan_dispatch(idx, experts, 16)),
-            "move_ms": bench(move), "syncs": host_syncs(lambda: plan_dispatch(idx, experts, 16))}  # fmt: skip
+    return {"tokens": tokens, "experts": experts, "select_ms": bench(lambda: select_experts(scores, bias, *select)),
+            "select_ref_ms": bench(lambda: select_experts_ref(scores, bias, *select)),
+            "plan_ms": bench(lambda: plan_dispatch(idx, experts, 16)), "move_ms": bench(move),
+            "syncs": host_syncs(lambda: plan_dispatch(idx, experts, 16))}  # fmt: skip
 
 
 def ep_rows(tokens: int, experts: int) -> list[dict]:
@@ -561,10 +570,12 @@ def dispatch_or_ep(args, token_counts: list[int], report: dict) -> None:
     if args.dispatch:
         report["dispatch"] = [dispatch_rows(t, args.experts) for t in token_counts]
         print(f"\n### Dispatch without expert parallelism (ep_size=1), {args.experts} experts, {report['device']}\n")
-        print("| tokens | plan_dispatch ms | permute + combine fwd+bwd ms | host syncs |")
-        print("|---|---|---|---|")
+        print("| tokens | expert selection ms (kernel) | its PyTorch reference ms | plan_dispatch ms "
+              "| permute + combine fwd+bwd ms | host syncs |")
+        print("|---|---|---|---|---|---|")
         for r in report["dispatch"]:
-            print(f"| {r['tokens']} | {r['plan_ms']:.3f} | {r['move_ms']:.3f} | {r['syncs']} |")
+            print(f"| {r['tokens']} | {r['select_ms']:.3f} | {r['select_ref_ms']:.3f} | {r['plan_ms']:.3f} | "
+                  f"{r['move_ms']:.3f} | {r['syncs']} |")
     if args.ep:
         dist.init_process_group("nccl")
         report["ep"] = [r for t in token_counts for r in ep_rows(t, args.experts)]
