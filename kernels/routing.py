@@ -48,10 +48,10 @@ if HAS_TRITON:
     @triton.jit
     def _take_largest(v, available, idx):
         """The largest available value of each row of v [R, C] (ties: the lowest index; idx [C] the column
-        indices): (its column [R], `available` without it)."""
+        indices): (that value [R], its column [R], `available` without it)."""
         m = tl.max(tl.where(available, v, float("-inf")), 1)
         col = tl.min(tl.where(available & (v == m[:, None]), idx[None, :], v.shape[1]), 1)
-        return col, available & (idx[None, :] != col[:, None])
+        return m, col, available & (idx[None, :] != col[:, None])
 
     @triton.jit
     def _select_experts_kernel(
@@ -75,20 +75,16 @@ if HAS_TRITON:
         group_scores = tl.full((BLOCK_N, BLOCK_G), float("-inf"), tl.float32)
         for g in tl.static_range(NUM_GROUPS):
             in_g = (col_group == g)[None, :] & c_ok[None, :]
-            m1 = tl.max(tl.where(in_g, v, float("-inf")), 1)
-            _, rest = _take_largest(v, in_g, cols)
+            m1, _, rest = _take_largest(v, in_g, cols)
             m2 = tl.max(tl.where(rest, v, float("-inf")), 1)
             group_scores = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], group_scores)
 
-        # the TOPK_GROUPS best groups
+        # the TOPK_GROUPS best groups, and their experts
         groups_left = (gcols < NUM_GROUPS)[None, :] & r_ok[:, None]
-        for _ in tl.static_range(TOPK_GROUPS):
-            _, groups_left = _take_largest(group_scores, groups_left, gcols)
-        kept = (gcols < NUM_GROUPS)[None, :] & (groups_left == 0)  # [BLOCK_N, BLOCK_G]
         experts_left = tl.zeros((BLOCK_N, BLOCK_E), tl.int32) != 0
-        for g in tl.static_range(NUM_GROUPS):
-            kept_g = tl.sum(((gcols[None, :] == g) & kept).to(tl.int32), 1) > 0
-            experts_left = experts_left | ((col_group == g)[None, :] & kept_g[:, None])
+        for _ in tl.static_range(TOPK_GROUPS):
+            _, group, groups_left = _take_largest(group_scores, groups_left, gcols)
+            experts_left = experts_left | (col_group[None, :] == group[:, None])
         # masked experts rank as -inf, after every kept one, like the reference's masked_fill
         v = tl.where(experts_left, v, float("-inf"))
         experts_left = c_ok[None, :] & r_ok[:, None]
@@ -96,7 +92,7 @@ if HAS_TRITON:
         kcols = tl.arange(0, BLOCK_K)
         out = tl.zeros((BLOCK_N, BLOCK_K), tl.int64)
         for j in tl.static_range(TOP_K):
-            col, experts_left = _take_largest(v, experts_left, cols)
+            _, col, experts_left = _take_largest(v, experts_left, cols)
             out = tl.where(kcols[None, :] == j, col[:, None].to(tl.int64), out)
         tl.store(out_ptr + rows[:, None] * stride_on + kcols[None, :] * stride_ok, out,
                  mask=r_ok[:, None] & (kcols < TOP_K)[None, :])  # fmt: skip

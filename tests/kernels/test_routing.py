@@ -15,9 +15,10 @@ from model.moe import route
 from tests.helpers import DEVICES, setup_device
 
 # (tokens, experts, groups, groups kept, top-k): Ling-mini-2.0 (256 experts), the e64 proxy, the tiny test model,
-# one group (no group limit), a top-k that takes every kept expert, a row count that fills no block
+# one group (no group limit), a top-k that takes every kept expert, a row count that fills no block, an expert
+# count that is not a power of two (the kernel pads the columns to 128)
 SHAPES = [(300, 256, 8, 4, 8), (1000, 64, 8, 4, 8), (77, 16, 4, 2, 4), (33, 8, 1, 1, 3), (21, 16, 4, 2, 8),
-          (1, 64, 8, 4, 8)]
+          (1, 64, 8, 4, 8), (50, 96, 8, 4, 8)]
 
 
 def three_topk_selection(scores, expert_bias, num_groups, topk_groups, top_k):
@@ -103,8 +104,8 @@ def test_compiled_router_runs_the_kernel_without_a_graph_break_and_chooses_as_ea
     assert dict(counters["graph_break"]) == {}
     eager = route(x, weight, bias, 8, 4, 8, 2.5)
     scores = torch.sigmoid(torch.nn.functional.linear(x.float(), weight.float()))
-    # the compiled GEMM may round the logits differently from the eager one: compare each path with the reference
-    # on its own scores where the scores agree, and both paths' choices where they do
+    # the eager path against the reference on the same scores (exact); the compiled path may round the scores
+    # differently from eager (Inductor's sigmoid), so its choices may differ from eager's in near-ties only
     assert torch.equal(eager[0].cpu(), select_experts_ref(scores.cpu(), bias.cpu(), 8, 4, 8))
     same = torch.equal(compiled[0], eager[0])
     assert same or (compiled[0] != eager[0]).any(-1).float().mean() < 1e-3
