@@ -103,6 +103,11 @@ def cell(value: float, fmt: str = ".0f") -> str:
     return "n/a" if value != value else format(value, fmt)
 
 
+def imbalance_bias(experts: int) -> torch.Tensor:
+    """An expert bias that makes some experts busier than others (fp32 [experts] on the GPU)."""
+    return torch.linspace(0, 0.02, experts, device="cuda")
+
+
 def routing(tokens: int, experts: int, seed: int = 0):
     """top-8 choices and gates of the real router (random weights, a mild preference for some experts)."""
     cfg = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
@@ -110,7 +115,7 @@ def routing(tokens: int, experts: int, seed: int = 0):
     router = Router(cfg).cuda()
     torch.nn.init.normal_(router.weight, std=0.02)
     with torch.no_grad():
-        router.expert_bias += torch.linspace(0, 0.02, experts, device="cuda")  # busier and quieter experts
+        router.expert_bias += imbalance_bias(experts)
         x = torch.randn(tokens, H, device="cuda")
         out = router(x)
     return out.topk_idx, out.topk_weight
@@ -319,7 +324,7 @@ def dispatch_rows(tokens: int, experts: int) -> dict:
     idx, _ = routing(tokens, experts)
     cfg = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
     scores = torch.rand(tokens, experts, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    bias = torch.linspace(0, 0.02, experts, device="cuda")
+    bias = imbalance_bias(experts)
     select = (cfg.num_expert_groups, cfg.topk_groups, cfg.num_experts_per_tok)
     x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
