@@ -283,7 +283,7 @@ def layer_variant(name: str, cfg: ModelConfig, tokens: int, experts: int, state:
         for p in moe.parameters():
             torch.nn.init.normal_(p, std=0.02)
         with torch.no_grad():
-            moe.router.expert_bias += torch.linspace(0, 0.02, experts, device="cuda")
+            moe.router.expert_bias += imbalance_bias(experts)
         state = moe.state_dict()
     moe.load_state_dict(state)
     x = torch.randn(1, tokens, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
