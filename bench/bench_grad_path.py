@@ -2,8 +2,8 @@
 model's compute, beside the floor of an fp32 accumulation done by hand.
 
     PYTHONUNBUFFERED=1 python3 bench/bench_grad_path.py [--model ling_mini_2_0_e64] [--grad-accum 8] [--steps 3]
-        [--variants autograd,fp32_by_hand,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,zero2_bucket_2e8,
-         zero2_fp32_comm,zero1,zero1_stock_hook]
+        [--variants autograd,fp32_by_hand,fp32_kernel,zero2,zero2_bf16_accum,zero2_no_contiguous,zero2_overlap,
+         zero2_bucket_2e8,zero2_fp32_comm,zero1,zero1_stock_hook]
     python3 bench/bench_grad_path.py --model tiny --device cpu --steps 1    # smoke test
 
 Every variant gets a fresh copy of the preset's parameters (LingForCausalLM, bf16 on CUDA and also on CPU, as
@@ -14,7 +14,9 @@ micro-batch backwards then the step; the optimizer itself does nothing (`NoOpOpt
 DeepSpeed's own work (gradient norm, clipping, the fp32 → bf16 weight copy). Variants:
   autograd           the stand-in backward alone, gradients dropped (the floor every variant pays)
   fp32_by_hand       autograd + a post-accumulate hook adding each bf16 gradient into an fp32 buffer, in place
-                     (10 bytes per parameter: what a fused fp32 accumulation must move at least)
+                     (10 bytes per parameter: what a fused fp32 accumulation must move at least), with PyTorch's
+                     mixed-dtype add
+  fp32_kernel        fp32_by_hand with `kernels.grad_accum.accumulate_` (the lean hook's add)
   zero2              DeepSpeed ZeRO-2 with grad_accum_dtype fp32 (`deepspeed=zero2`, the CPU default)
   zero2_bf16_accum   grad_accum_dtype = the model's dtype (DeepSpeed's own default; rounds the sum to bf16)
   zero2_no_contiguous, zero2_overlap, zero2_bucket_2e8
@@ -47,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels.grad_accum import accumulate_  # noqa: E402
 from ling.analysis.profiling import markdown  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.ling import LingForCausalLM  # noqa: E402
@@ -56,6 +59,7 @@ from model.ling import LingForCausalLM  # noqa: E402
 VARIANTS: dict[str, dict | None] = {
     "autograd": None,
     "fp32_by_hand": None,
+    "fp32_kernel": None,
     "zero2": {"zero_stage": 2, "grad_accum_dtype": "fp32"},
     "zero2_bf16_accum": {"zero_stage": 2, "grad_accum_dtype": None},
     "zero2_no_contiguous": {"zero_stage": 2, "grad_accum_dtype": "fp32", "zero_extra": {"contiguous_gradients": False}},
@@ -125,12 +129,13 @@ def run_variant(name: str, config: ModelConfig, args, device: torch.device) -> d
             engine, *_ = deepspeed.initialize(model=model, optimizer=NoOpOptimizer(params), config=conf)
         else:
             engine, *_ = initialize_engine(model, NoOpOptimizer(params), conf)  # the trainer's engine and hooks
-    elif name == "fp32_by_hand":
+    elif name in ("fp32_by_hand", "fp32_kernel"):
+        add = accumulate_ if name == "fp32_kernel" else torch.Tensor.add_
         for p in params:
             main_grads[p] = torch.zeros(p.shape, dtype=torch.float32, device=device)
 
             def accumulate(p: torch.Tensor) -> None:
-                main_grads[p].add_(p.grad)
+                add(main_grads[p], p.grad)
                 p.grad = None
 
             p.register_post_accumulate_grad_hook(accumulate)
@@ -147,7 +152,7 @@ def run_variant(name: str, config: ModelConfig, args, device: torch.device) -> d
             else:
                 loss.backward()
                 for p in params:
-                    p.grad = None  # autograd: dropped; fp32_by_hand: already None
+                    p.grad = None  # autograd: dropped; fp32_by_hand / fp32_kernel: already None
             _sync(device)
             t1 = time.perf_counter()
             if engine is not None:

@@ -13,9 +13,10 @@ from tests.helpers import ROOT
 
 pytest.importorskip("deepspeed")
 
-# one variant per code path: plain autograd, the hand-written hook, ling.engine's engine (ZeRO-1: the lean
-# BF16_Optimizer hook), DeepSpeed's own engine; ZeRO-2's rows differ from zero1 only in the config
-VARIANTS = ["autograd", "fp32_by_hand", "zero1", "zero1_stock_hook"]
+# one variant per code path: plain autograd, the hand-written hook (PyTorch's add, the kernel), ling.engine's
+# engine (ZeRO-1: the lean BF16_Optimizer hook), DeepSpeed's own engine; ZeRO-2's rows differ from zero1
+# only in the config
+VARIANTS = ["autograd", "fp32_by_hand", "fp32_kernel", "zero1", "zero1_stock_hook"]
 
 # The bench runs each row in a fresh process (run_in_subprocess: `--json`, one variant, its row as the last line),
 # ~5-9 s of start-up each on CPU. Here the first row goes that way and the others run in the bench's own process,
