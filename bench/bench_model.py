@@ -171,11 +171,13 @@ def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> 
     head = f"LM head + loss ({n} tokens x vocab {vocab})"
     flops = 6 * n * hidden * vocab
     part(f"{head}: materialised logits, fp32 CE", lambda: cross_entropy(F.linear(h, w), labels), (h, w), flops=flops)
-    part(f"{head}: chunked, eager epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=False), (h, w),
+    part(f"{head}: chunked, eager epilogue", lambda: linear_cross_entropy(h, w, labels, epilogue="eager"), (h, w),
          flops=flops)
     if dev.type == "cuda":
-        part(f"{head}: chunked, compiled epilogue", lambda: linear_cross_entropy(h, w, labels, compiled=True),
+        part(f"{head}: chunked, compiled epilogue", lambda: linear_cross_entropy(h, w, labels, epilogue="compiled"),
              (h, w), flops=flops)
+        part(f"{head}: chunked, Triton epilogue (default)", lambda: linear_cross_entropy(h, w, labels), (h, w),
+             flops=flops)
     for chunk in args.loss_chunks:  # each chunk size's logits GEMMs and its fp32 dW read-modify-write per chunk
         part(f"{head}: chunks of {chunk} tokens", lambda c=chunk: linear_cross_entropy(h, w, labels, chunk_size=c),
              (h, w), flops=flops)

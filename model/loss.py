@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cross_entropy import cross_entropy_grad, cross_entropy_grad_ref
+
 IGNORE_INDEX = -100
 
 # A chunk's logits in the compute dtype take at most this many bytes. With bf16 at vocab 157184 that is 2048
@@ -38,29 +40,10 @@ def default_chunk_size(vocab_size: int, element_size: int = 2) -> int:
     return min(MAX_CHUNK_TOKENS, 1 << (tokens.bit_length() - 1))
 
 
-def softmax_cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor,
-                               row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's loss and logit gradient.
-
-    logits [c, V] (compute dtype), target int64 [c] (a valid class for every row), row_weight fp32 [c] (the
-    row's factor in the loss: 1/count, or 0 for an ignored row) → (nll fp32 [c] = logsumexp − target logit,
-    grad [c, V] in the logits' dtype = row_weight · (softmax − onehot)). fp32 throughout, in place on one
-    fp32 copy of the logits.
-    """
-    z = logits.to(torch.float32, copy=True)
-    z.sub_(z.amax(dim=-1, keepdim=True))
-    z_target = z.gather(1, target[:, None])
-    z.exp_()
-    sum_exp = z.sum(dim=-1, keepdim=True)
-    nll = (sum_exp.log() - z_target).squeeze(1)
-    z.mul_(row_weight[:, None] / sum_exp)
-    z.scatter_add_(1, target[:, None], -row_weight[:, None])
-    return nll, z.to(logits.dtype)
-
-
 def softmax_cross_entropy_grad_fusable(logits: torch.Tensor, target: torch.Tensor,
                                        row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`softmax_cross_entropy_grad` written for torch.compile: the same maths and signature, without in-place ops.
+    """`kernels.cross_entropy.cross_entropy_grad_ref` written for torch.compile: the same maths and signature,
+    without in-place ops.
 
     The target's −row_weight is subtracted where a column index equals the target (a select, where the eager
     version scatters into its fp32 copy), so Inductor never stores the fp32 logits: on the H200 (torch 2.11) it
@@ -85,10 +68,20 @@ def _compiled_chunk_grad():
     return torch.compile(softmax_cross_entropy_grad_fusable, dynamic=False)
 
 
-def _chunk_grad_fn(compiled: bool):
-    """The chunk epilogue, fused by torch.compile on CUDA (one read of the logits for the reduction, one read and
-    one write for the gradient, instead of ~7 full fp32 passes), eager elsewhere. Same maths either way."""
-    return _compiled_chunk_grad() if compiled else softmax_cross_entropy_grad
+EPILOGUES = ("kernel", "compiled", "eager")  # linear_cross_entropy(epilogue=...)
+
+
+def _chunk_grad_fn(epilogue: str):
+    """The chunk epilogue: "kernel", `kernels.cross_entropy.cross_entropy_grad` (two Triton kernels on CUDA: the
+    logits read twice, the gradient written once); "compiled", the fusable form under torch.compile (one Inductor
+    kernel); "eager", the in-place PyTorch reference (one fp32 copy of the chunk's logits). Same maths."""
+    if epilogue == "kernel":
+        return cross_entropy_grad
+    if epilogue == "compiled":
+        return _compiled_chunk_grad()
+    if epilogue == "eager":
+        return cross_entropy_grad_ref
+    raise ValueError(f"linear_cross_entropy: epilogue must be one of {', '.join(EPILOGUES)}, got {epilogue!r}")
 
 
 # One entry per device (a handful): whether cuBLAS takes the mixed-dtype in-place addmm there, asked once since
@@ -119,7 +112,7 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, h: tor
 
 
 def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                  need_dh: bool, need_dw: bool, compiled: bool):
+                  need_dh: bool, need_dw: bool, epilogue: str):
     """h [N, H], weight [V, H], labels int64 [N] → (mean loss fp32 [], dh [N, H] | None, dW [V, H] | None);
     the gradients are those of the mean loss itself (grad_output 1)."""
     valid = labels != IGNORE_INDEX
@@ -129,7 +122,7 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
     nll = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-    grad_fn = _chunk_grad_fn(compiled)
+    grad_fn = _chunk_grad_fn(epilogue)
     for start in range(0, h.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         logits = F.linear(h[rows], weight)
@@ -152,9 +145,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (e.g. the MTP weight 0.1), in place, and hands them over once."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_size, compiled):
+    def forward(ctx, h, weight, labels, chunk_size, epilogue):
         loss, dh, dw = _chunked_loss(h, weight, labels, chunk_size, ctx.needs_input_grad[0],
-                                     ctx.needs_input_grad[1], compiled)
+                                     ctx.needs_input_grad[1], epilogue)
         ctx.grads = (dh, dw)
         return loss
 
@@ -172,24 +165,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_size: int | None = None, compiled: bool | None = None) -> torch.Tensor:
+                         chunk_size: int | None = None, epilogue: str = "kernel") -> torch.Tensor:
     """Mean CE of logits = h·Wᵀ over labels != -100 (0 when all are ignored), without materialising logits.
 
     h [..., H] and weight [V, H] in the compute dtype, labels int64 [...] → fp32 scalar. Logits are computed per
     chunk of `chunk_size` tokens (default `default_chunk_size(V)`) in the compute dtype; logsumexp, the target
     logit and the logit gradient in fp32; dW accumulates over chunks in fp32 and is cast to W's dtype once. Equal
-    to `cross_entropy(F.linear(h, weight), labels)` up to summation order. `compiled` (default: on CUDA) fuses
-    the per-chunk softmax epilogue with torch.compile. No host sync.
+    to `cross_entropy(F.linear(h, weight), labels)` up to summation order. `epilogue`, one of EPILOGUES: how each
+    chunk's softmax and logit gradient run (`_chunk_grad_fn`; "kernel", the default, is the Triton kernels on
+    CUDA and the PyTorch reference elsewhere). No host sync.
     """
     h2 = h.reshape(-1, h.shape[-1])
     labels = labels.reshape(-1)
     if labels.shape[0] != h2.shape[0]:
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} do not match h {tuple(h.shape)}")
+    _chunk_grad_fn(epilogue)  # a bad name fails here, before any GEMM
     chunk_size = chunk_size or default_chunk_size(weight.shape[0], weight.element_size())
-    compiled = h.is_cuda if compiled is None else compiled
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h2, weight, labels, chunk_size, compiled)
-    return _chunked_loss(h2, weight, labels, chunk_size, False, False, compiled)[0]
+        return _LinearCrossEntropy.apply(h2, weight, labels, chunk_size, epilogue)
+    return _chunked_loss(h2, weight, labels, chunk_size, False, False, epilogue)[0]
 
 
 class LMHead(nn.Linear):

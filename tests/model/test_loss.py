@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels.cross_entropy import cross_entropy_grad_ref
 from model.loss import (
     IGNORE_INDEX,
     LOGITS_CHUNK_BYTES,
     cross_entropy,
     default_chunk_size,
     linear_cross_entropy,
-    softmax_cross_entropy_grad,
     softmax_cross_entropy_grad_fusable,
 )
 
@@ -159,7 +159,7 @@ def test_no_tokens_by_vocab_tensor_exists_in_forward_or_backward():
             assert mode.largest >= bound
 
 
-@pytest.mark.parametrize("epilogue", [softmax_cross_entropy_grad, softmax_cross_entropy_grad_fusable])
+@pytest.mark.parametrize("epilogue", [cross_entropy_grad_ref, softmax_cross_entropy_grad_fusable])
 def test_chunk_epilogue_matches_log_softmax(epilogue):
     logits = torch.randn(37, 501, dtype=torch.float64) * 5
     target = torch.randint(0, 501, (37,))
@@ -179,7 +179,7 @@ def test_the_fusable_epilogue_gives_the_in_place_one_bit_for_bit(dtype):
     logits = (torch.randn(64, 3001, generator=g) * 6).to(dtype)
     target = torch.randint(0, 3001, (64,), generator=g)
     weight = torch.rand(64, generator=g) * (torch.rand(64, generator=g) > 0.2)  # some rows ignored (weight 0)
-    nll, grad = softmax_cross_entropy_grad(logits, target, weight)
+    nll, grad = cross_entropy_grad_ref(logits, target, weight)
     nll_f, grad_f = softmax_cross_entropy_grad_fusable(logits, target, weight)
     assert grad_f.dtype == dtype
     assert torch.equal(nll, nll_f) and torch.equal(grad, grad_f)
@@ -195,7 +195,8 @@ def test_default_chunk_size_keeps_a_chunk_of_bf16_logits_under_1_gib():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_compiled_matches_materialised_and_bounds_peak_memory():
+@pytest.mark.parametrize("epilogue", ["kernel", "compiled"])
+def test_gpu_bf16_fused_matches_materialised_and_bounds_peak_memory(epilogue):
     n, hidden, vocab = 4096, 2048, 157184
     h, w, labels = make_inputs(n=n, hidden=hidden, vocab=vocab, dtype=torch.bfloat16, device="cuda")
     truth = reference(h.double(), w.double(), labels)
@@ -205,7 +206,7 @@ def test_gpu_bf16_compiled_matches_materialised_and_bounds_peak_memory():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        results[name] = fn(h, w, labels)
+        results[name] = fn(h, w, labels, epilogue=epilogue) if name == "fused" else fn(h, w, labels)
         torch.cuda.synchronize()
         peaks[name] = torch.cuda.max_memory_allocated() - base
     for i, part in enumerate(("loss", "dh", "dW")):
