@@ -16,7 +16,7 @@ refusal of a run that cannot fit, naming set-ups that would.
   micro_batch_size × seq_len, with recomputation taken into account,
 - the LM-head transients at the end of the forward: the fused loss keeps an fp32 dW [V, H] per head call
   (main + MTP) until backward, and one chunk of logits is live with its gradient (model/loss.py: 4 bytes per
-  logit in bf16 on a GPU, where the epilogue is compiled; the eager epilogue elsewhere adds an fp32 copy).
+  logit in bf16 on a GPU, where the epilogue is the Triton kernel; the eager reference elsewhere adds an fp32 copy).
 Parameter counts come from the model built on the meta device (no memory). The estimate is compared with
 measured peaks (torch's max_memory_allocated) of the e64 proxy in docs/runtime_scale.md.
 """
@@ -42,7 +42,7 @@ GIB = 2**30
 FP8_BLOCK = 128  # elements per FP8 scale (1x128 activations, 128-blocks of the Adam moments)
 FP8_ADAM_BYTES = 2 + 2 * 4 / FP8_BLOCK  # two E4M3 moments and their fp32 block scales, per parameter
 FP8_LINEAR_CACHE_BYTES = 2  # an FP8Linear caches W and Wᵀ in E4M3 (fp8/linear.py), per weight
-EAGER_EPILOGUE_BYTES_PER_LOGIT = 4  # the eager loss epilogue's fp32 copy of a chunk's logits (model/loss.py)
+EAGER_EPILOGUE_BYTES_PER_LOGIT = 4  # the eager loss epilogue's fp32 copy of a chunk's logits (kernels/cross_entropy.py)
 ZERO_BUCKET_ELEMENTS = 5 * 10**8  # DeepSpeed's default reduce / allgather bucket sizes (ZeRO-2/3), elements
 ZERO3_LIVE_PARAMETERS = 10**9  # DeepSpeed's stage3_max_live_parameters default: gathered at most at once
 CONTEXT_RESERVE = 1 * GIB  # CUDA context, NCCL and the allocator's slack beyond torch's allocations
@@ -70,7 +70,7 @@ class MemorySetup:
     fp8_experts: bool = True  # precision=fp8 runs the routed experts in FP8 (fp8.ablate experts: bf16)
     micro_batch_size: int = 1
     seq_len: int = 4096
-    on_gpu: bool = True  # CUDA devices: the loss's compiled epilogue (no fp32 copy of a chunk's logits)
+    on_gpu: bool = True  # CUDA devices: the loss's Triton epilogue (no fp32 copy of a chunk's logits)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, model: ModelConfig, world: int, on_gpu: bool = True) -> MemorySetup:

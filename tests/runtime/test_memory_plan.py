@@ -47,7 +47,7 @@ def test_the_tiny_plan_part_by_part_as_computed_by_hand():
         "weights": 2 * p, "gradients": 4 * p,  # bf16 weights; whole fp32 gradients on each GPU
         "master weights": 4 * p / 2, "optimizer moments": 8 * p / 2,  # 1/world each
         "FP8 weight caches": 0, "activations": per_token * 128,
-        # fp32 dW per loss call; one chunk of bf16 logits and their bf16 gradient (the compiled epilogue on a GPU)
+        # fp32 dW per loss call; one chunk of bf16 logits and their bf16 gradient (the Triton epilogue on a GPU)
         "LM-head transients": 2 * 4 * 8192 * 128 + (2 + 2) * 128 * 8192,
     }
     # off the GPU: fp32 weights and activations, and the eager epilogue's fp32 copy of the chunk's logits
