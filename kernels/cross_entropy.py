@@ -46,25 +46,24 @@ if HAS_TRITON:
     @triton.jit
     def _row_split_stats_kernel(z_ptr, max_ptr, sum_ptr, V, stride_zr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
         """(row, split) program: max and Σ exp(z − max) of the row's columns [split·SPLIT, (split+1)·SPLIT) ∩ [0, V),
-        online per lane over BLOCK-wide steps, then across lanes. Stored at [row, split] of [rows, splits]."""
+        online over BLOCK-wide steps (one exp per logit: each step's own max first). Stored at [row, split] of
+        [rows, splits]."""
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         splits = tl.num_programs(1)
         start = split * SPLIT
         z_row = z_ptr + row * stride_zr
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK,), tl.float32)
+        m = float("-inf")
+        s = 0.0
         for off in tl.range(start, tl.minimum(start + SPLIT, V), BLOCK):
             cols = off + tl.arange(0, BLOCK)
             z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, z)
-            # a lane that has seen only −inf keeps s = 0 (exp(−inf − −inf) would be NaN)
-            s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            # while every logit so far is −inf, s stays 0 (exp(−inf − −inf) would be NaN)
+            s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0))
             m = m_new
-        m_split = tl.max(m, axis=0)
-        s_split = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - m_split)), axis=0)
-        tl.store(max_ptr + row * splits + split, m_split)
-        tl.store(sum_ptr + row * splits + split, s_split)
+        tl.store(max_ptr + row * splits + split, m)
+        tl.store(sum_ptr + row * splits + split, s)
 
     @triton.jit
     def _row_split_grad_kernel(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.backend import HAS_TRITON, cdiv, tl, triton, use_triton
+from kernels.backend import HAS_TRITON, tl, triton, use_triton
 from kernels.tuning import Tuning
 
 __all__ = ["ACCUMULATE_TUNING", "AccumulateConfig", "accumulate_", "accumulate_ref_"]
@@ -30,13 +30,18 @@ def accumulate_ref_(acc: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _accumulate_kernel(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr):
-        """acc[i] += float(grad[i]) for the BLOCK values of this program (flat, contiguous)."""
+    def _accumulate_kernel(acc_ptr, grad_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        """acc[i] += float(grad[i]) for the BLOCK values of this program (flat, contiguous). EVEN: every program's
+        block is whole (no mask), so the loads are 16-byte vectors wherever the pointers are 16-byte aligned; a mask
+        that Triton cannot prove constant over 16 values (n not a multiple of 16) makes them scalar."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        acc = tl.load(acc_ptr + offs, mask=mask)
-        grad = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
-        tl.store(acc_ptr + offs, acc + grad, mask=mask)
+        if EVEN:
+            tl.store(acc_ptr + offs, tl.load(acc_ptr + offs) + tl.load(grad_ptr + offs).to(tl.float32))
+        else:
+            mask = offs < n
+            acc = tl.load(acc_ptr + offs, mask=mask)
+            grad = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+            tl.store(acc_ptr + offs, acc + grad, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,12 @@ def accumulate_(acc: torch.Tensor, grad: torch.Tensor, *, backend: str | None = 
     if not (use_triton(acc, backend) and acc.is_contiguous() and grad.is_contiguous()):
         return accumulate_ref_(acc, grad)
     n = acc.numel()
-    if n:
-        cfg = ACCUMULATE_TUNING.current()
-        _accumulate_kernel[(cdiv(n, cfg.block),)](acc, grad, n, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    cfg = ACCUMULATE_TUNING.current()
+    block, warps = cfg.block, cfg.num_warps
+    whole = n // block * block
+    if whole:  # the whole blocks, unmasked
+        _accumulate_kernel[(whole // block,)](acc, grad, whole, BLOCK=block, EVEN=True, num_warps=warps)
+    if n > whole:  # the last partial block, masked (a view from its first value on)
+        acc_tail, grad_tail = acc.view(-1)[whole:], grad.reshape(-1)[whole:]
+        _accumulate_kernel[(1,)](acc_tail, grad_tail, n - whole, BLOCK=block, EVEN=False, num_warps=warps)
     return acc
