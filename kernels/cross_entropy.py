@@ -100,11 +100,12 @@ if HAS_TRITON:
 @dataclass(frozen=True)
 class CrossEntropyConfig:
     """Columns per (row, split) program (`split`, a multiple of `block`), columns per step of its loop (`block`)
-    and warps, for both kernels."""
+    and warps, for both kernels. The default: within 1.5 % of the fastest of eight launches at the e64 LM head's
+    chunk on an H100 (docs/kernel_tuning.md, 2026-12-06)."""
 
     split: int = 16384
     block: int = 2048
-    num_warps: int = 8
+    num_warps: int = 4
 
 
 CROSS_ENTROPY_TUNING: Tuning[CrossEntropyConfig] = Tuning(

@@ -90,7 +90,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tenso
     num_experts = router_weight.shape[0]
     logits = F.linear(x.float(), router_weight.float())  # [N, E] fp32
     scores = torch.sigmoid(logits)
-    topk_idx = select_experts(scores, expert_bias, num_groups, topk_groups, top_k)
+    # .float(): ZeRO-3 hands the bias over in bf16 (its buffers follow the model dtype there)
+    topk_idx = select_experts(scores, expert_bias.float(), num_groups, topk_groups, top_k)
     weight = scores.gather(1, topk_idx)
     weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * scaling
     flat = topk_idx.flatten()  # scatter_add, not bincount: CUDA's bincount waits for the host twice
