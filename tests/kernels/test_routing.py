@@ -110,3 +110,14 @@ def test_compiled_router_runs_the_kernel_without_a_graph_break_and_chooses_as_ea
     same = torch.equal(compiled[0], eager[0])
     assert same or (compiled[0] != eager[0]).any(-1).float().mean() < 1e-3
     assert compiled[4].sum() == compiled[0].numel()
+
+
+def test_router_takes_a_bf16_expert_bias_as_zero3_hands_it_over():
+    """Under ZeRO-3 on CUDA the router's bias buffer arrives in bf16 (the GPU suite's guard test found the kernel's
+    dtype check refusing it); `route` passes it on as fp32, choosing as with the same values in fp32."""
+    g = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(64, 32, generator=g), torch.randn(16, 32, generator=g) * 0.1
+    bias = (torch.randn(16, generator=g) * 0.05).bfloat16()
+    got = route(x, weight, bias, 4, 2, 4, 2.5)
+    want = route(x, weight, bias.float(), 4, 2, 4, 2.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
