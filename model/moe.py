@@ -26,6 +26,12 @@ from model.config import ModelConfig
 from model.dispatch import DispatchPlan, expert_parallel, permute, plan_dispatch, row_gates, unpermute
 from model.layers import MLP, scope, use_compiled
 
+# The router's buffers that stay fp32 whatever the model's dtype: the expert bias (its updates are 1e-3 steps) and
+# the routed-token counts (integers far above bf16's 256). Router._apply keeps them fp32 through casts; under ZeRO-3
+# `zero.Init` builds every floating tensor in bf16, and DeepSpeed's engine upcasts the ones its
+# `data_types.keep_in_fp32_modules` names (ling/train/engine.py's deepspeed_config passes these).
+ROUTER_FP32_BUFFERS = ("expert_bias", "tokens_per_expert")
+
 
 class RouterOutput(NamedTuple):
     """A NamedTuple, not a dataclass: DeepSpeed ZeRO-3 must see the tensors a module returns to hook their
@@ -63,8 +69,8 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):  # the bias and the counts stay fp32 when the model is cast
         super()._apply(fn, recurse)
-        self.expert_bias = self.expert_bias.float()
-        self.tokens_per_expert = self.tokens_per_expert.float()
+        for name in ROUTER_FP32_BUFFERS:
+            setattr(self, name, getattr(self, name).float())
         return self
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
@@ -90,7 +96,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tenso
     num_experts = router_weight.shape[0]
     logits = F.linear(x.float(), router_weight.float())  # [N, E] fp32
     scores = torch.sigmoid(logits)
-    # .float(): ZeRO-3 hands the bias over in bf16 (its buffers follow the model dtype there)
+    # .float(): the kernel takes fp32; a caller's bf16 bias (as zero.Init builds it) is promoted, as `scores + bias` did
     topk_idx = select_experts(scores, expert_bias.float(), num_groups, topk_groups, top_k)
     weight = scores.gather(1, topk_idx)
     weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * scaling

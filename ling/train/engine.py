@@ -33,6 +33,7 @@ from ling.train.memory_plan import ZERO_BUCKET_ELEMENTS
 from ling.train.schedule import lr_multiplier
 from model.config import ModelConfig
 from model.ling import LingForCausalLM
+from model.moe import ROUTER_FP32_BUFFERS
 
 OPTIM_KEYS = {"name", "lr", "betas", "eps", "weight_decay", "grad_clip", "schedule", "warmup_steps",
               "min_lr_ratio", "decay_fraction"}
@@ -166,6 +167,9 @@ def deepspeed_config(cfg: DictConfig, use_bf16: bool) -> dict[str, Any]:
             conf["bf16"]["immediate_grad_update"] = True
         if use_bf16:  # fp32 runs accumulate in fp32 anyway
             conf["data_types"] = {"grad_accum_dtype": accum}
+    if use_bf16:
+        # the routers' fp32 buffers: under ZeRO-3, zero.Init builds them in bf16 and the engine upcasts these names
+        conf.setdefault("data_types", {})["keep_in_fp32_modules"] = list(ROUTER_FP32_BUFFERS)
     conf.update(plain_dict(ds.get("extra")))
     return conf
 

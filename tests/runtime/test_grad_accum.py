@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from ling.ranks import free_port
 from ling.train.engine import deepspeed_config
+from model.moe import ROUTER_FP32_BUFFERS
 from tests.fork_server import run_script
 from tests.helpers import ROOT
 
@@ -74,15 +75,16 @@ def _cfg(stage: int, accum) -> OmegaConf:
 def test_config_defaults_and_refusals():
     for stage, want in ((0, None), (1, "fp32"), (2, "fp32"), (3, "fp32")):
         assert OmegaConf.load(ROOT / "conf" / "deepspeed" / f"zero{stage}.yaml").grad_accum_dtype == want
-    assert deepspeed_config(_cfg(2, "fp32"), use_bf16=True)["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in deepspeed_config(_cfg(2, None), use_bf16=True)
+    keep = {"keep_in_fp32_modules": list(ROUTER_FP32_BUFFERS)}  # bf16 runs: the routers' fp32 buffers (ZeRO-3)
+    assert deepspeed_config(_cfg(2, "fp32"), use_bf16=True)["data_types"] == {"grad_accum_dtype": "fp32", **keep}
+    assert deepspeed_config(_cfg(2, None), use_bf16=True)["data_types"] == keep
     assert "data_types" not in deepspeed_config(_cfg(2, "fp32"), use_bf16=False)  # fp32 runs: fp32 anyway
     with pytest.raises(ValueError, match="deepspeed.grad_accum_dtype='fp16' is unknown"):
         deepspeed_config(_cfg(2, "fp16"), use_bf16=True)
     with pytest.raises(ValueError, match="grad_accum_dtype=fp32 needs deepspeed.zero_stage 1, 2 or 3 \\(got 0\\)"):
         deepspeed_config(_cfg(0, "fp32"), use_bf16=True)
     zero1 = deepspeed_config(_cfg(1, "fp32"), use_bf16=True)  # BF16_Optimizer: fp32 sums, fp32 all-reduce
-    assert zero1["data_types"] == {"grad_accum_dtype": "fp32"} and zero1["communication_data_type"] == "fp32"
+    assert zero1["data_types"]["grad_accum_dtype"] == "fp32" and zero1["communication_data_type"] == "fp32"
     assert zero1["bf16"]["immediate_grad_update"] is True
     for stage in (2, 3):  # ZeRO-2/3 reduce bf16 gradients into fp32 partitions: no change there
         conf = deepspeed_config(_cfg(stage, "fp32"), use_bf16=True)

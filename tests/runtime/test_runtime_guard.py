@@ -14,6 +14,7 @@ from ling.train.engine import build_engine
 from ling.train.guard import NonFiniteGuard, check_engine_can_skip
 from ling.train.preemption import StopSignals
 from ling.train.trainer import Trainer
+from model.moe import ROUTER_FP32_BUFFERS, Router, update_expert_biases
 from tests.helpers import compose_cfg
 
 TINY = ["+exp=tiny_cpu", "data=synthetic", "data.kind=markov", "data.vocab_size=256", "train.seq_len=32",
@@ -161,3 +162,17 @@ def test_guard_poisons_a_nonfinite_loss_so_every_gradient_is_nan():
     assert guard.exhausted and guard.total == 3 and guard.streak_start == 1
     with pytest.raises(RuntimeError, match="applied an update"):
         guard.record(4, applied=True, loss=float("nan"), grad_norm=1.0)
+
+
+def test_zero3_in_bf16_keeps_the_routers_bias_and_counts_in_fp32():
+    """zero.Init builds every floating tensor in the training dtype, the router's fp32 buffers too (bf16 counts stop
+    being exact above 256, bf16 biases swallow the 1e-3 updates); the engine upcasts the ones deepspeed_config
+    names. After one step the counts are the exact number of routed slots and the bias update lands in fp32."""
+    engine = engine_for(["deepspeed=zero3", "deepspeed.bf16=true"])
+    routers = [m for m in engine.module.modules() if isinstance(m, Router)]
+    assert routers and all(getattr(r, n).dtype == torch.float32 for r in routers for n in ROUTER_FP32_BUFFERS)
+    step(engine, 0)
+    for r in routers:
+        assert r.tokens_per_expert.sum().item() == 2 * 32 * r.top_k  # one micro-batch of 2 x 32 tokens, top-k each
+    update_expert_biases(routers, 1e-3)
+    assert all(r.expert_bias.dtype == torch.float32 and r.expert_bias.abs().max() <= 2e-3 for r in routers)
