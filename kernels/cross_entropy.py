@@ -107,6 +107,10 @@ class CrossEntropyConfig:
     block: int = 2048
     num_warps: int = 4
 
+    def __post_init__(self) -> None:
+        if self.block < 1 or self.split % self.block:
+            raise ValueError(f"CrossEntropyConfig: split={self.split} must be a multiple of block={self.block}")
+
 
 CROSS_ENTROPY_TUNING: Tuning[CrossEntropyConfig] = Tuning(
     "kernels.cross_entropy",
@@ -140,9 +144,7 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, row_weight: t
         raise ValueError("cross_entropy_grad: logits have no columns")
     if c == 0:
         return nll, grad
-    cfg = CROSS_ENTROPY_TUNING.current()
-    if cfg.split % cfg.block:
-        raise ValueError(f"CrossEntropyConfig: split={cfg.split} must be a multiple of block={cfg.block}")
+    cfg = CROSS_ENTROPY_TUNING.current()  # split a multiple of block: checked by CrossEntropyConfig
     splits = cdiv(vocab, cfg.split)
     row_max = torch.empty(c, splits, device=logits.device, dtype=torch.float32)
     row_sum = torch.empty_like(row_max)

@@ -112,9 +112,9 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, h: tor
 
 
 def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
-                  need_dh: bool, need_dw: bool, epilogue: str):
+                  need_dh: bool, need_dw: bool, grad_fn):
     """h [N, H], weight [V, H], labels int64 [N] → (mean loss fp32 [], dh [N, H] | None, dW [V, H] | None);
-    the gradients are those of the mean loss itself (grad_output 1)."""
+    the gradients are those of the mean loss itself (grad_output 1); grad_fn the chunk epilogue (`_chunk_grad_fn`)."""
     valid = labels != IGNORE_INDEX
     count = valid.sum().clamp(min=1)
     target = torch.where(valid, labels, 0)
@@ -122,7 +122,6 @@ def _chunked_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
     nll = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-    grad_fn = _chunk_grad_fn(epilogue)
     for start in range(0, h.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         logits = F.linear(h[rows], weight)
@@ -145,9 +144,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (e.g. the MTP weight 0.1), in place, and hands them over once."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_size, epilogue):
+    def forward(ctx, h, weight, labels, chunk_size, grad_fn):
         loss, dh, dw = _chunked_loss(h, weight, labels, chunk_size, ctx.needs_input_grad[0],
-                                     ctx.needs_input_grad[1], epilogue)
+                                     ctx.needs_input_grad[1], grad_fn)
         ctx.grads = (dh, dw)
         return loss
 
@@ -179,11 +178,11 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     labels = labels.reshape(-1)
     if labels.shape[0] != h2.shape[0]:
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} do not match h {tuple(h.shape)}")
-    _chunk_grad_fn(epilogue)  # a bad name fails here, before any GEMM
+    grad_fn = _chunk_grad_fn(epilogue)  # a bad name fails here, before any GEMM
     chunk_size = chunk_size or default_chunk_size(weight.shape[0], weight.element_size())
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h2, weight, labels, chunk_size, epilogue)
-    return _chunked_loss(h2, weight, labels, chunk_size, False, False, epilogue)[0]
+        return _LinearCrossEntropy.apply(h2, weight, labels, chunk_size, grad_fn)
+    return _chunked_loss(h2, weight, labels, chunk_size, False, False, grad_fn)[0]
 
 
 class LMHead(nn.Linear):

@@ -96,7 +96,8 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tenso
     num_experts = router_weight.shape[0]
     logits = F.linear(x.float(), router_weight.float())  # [N, E] fp32
     scores = torch.sigmoid(logits)
-    # .float(): the kernel takes fp32; a caller's bf16 bias (as zero.Init builds it) is promoted, as `scores + bias` did
+    # .float(): the kernel takes fp32; a caller's bf16 bias is promoted, as `scores + bias` did (the Router's own
+    # buffer is fp32: ROUTER_FP32_BUFFERS)
     topk_idx = select_experts(scores, expert_bias.float(), num_groups, topk_groups, top_k)
     weight = scores.gather(1, topk_idx)
     weight = weight / (weight.sum(-1, keepdim=True) + 1e-20) * scaling

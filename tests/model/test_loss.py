@@ -217,3 +217,9 @@ def test_gpu_bf16_fused_matches_materialised_and_bounds_peak_memory(epilogue):
     bound = n * hidden * 2 + vocab * hidden * 6 + chunk * vocab * 8 + 256 * 2**20
     assert peaks["fused"] < bound, (peaks, bound)
     assert peaks["reference"] > 2 * n * vocab * 4  # the materialised path holds fp32 [N, V] tensors
+
+
+def test_an_unknown_epilogue_is_refused_by_name():
+    h, w, labels = make_inputs(n=8)
+    with pytest.raises(ValueError, match="epilogue must be one of kernel, compiled, eager, got 'fused'"):
+        linear_cross_entropy(h, w, labels, epilogue="fused")
