@@ -4,18 +4,20 @@ and random fp32 values up to 448 times the scale, over scales of every exponent 
 significands that strain a reciprocal (all ones, one less, powers of two) included, and the special cases (a zero
 residual with -0, Inf and NaN scales). The reference is PyTorch's fp32 division of two tensors on the CPU (IEEE,
 correctly rounded). On CPU the kernel runs in Triton's interpreter (its fma rounds once, as the GPU's does); the GPU
-variant sweeps all bf16 values against 2,048 scales."""
+variant sweeps all bf16 values against 2,048 scales. The scale itself (`scale_from_amax_tl`: amax / 448 by the same
+correction with a constant reciprocal) is checked against `fp8.quant.scale_from_amax` on every fp32 significand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fp8.quant import scale_from_amax
 from kernels.backend import HAS_TRITON, tl, triton
 from tests.helpers import DEVICES, setup_device
 
 if HAS_TRITON:
-    from fp8.triton_blocks import divide_by_scale
+    from fp8.triton_blocks import divide_by_scale, scale_from_amax_tl
 
     @triton.jit
     def _divide_kernel(v_ptr, s_ptr, out_ptr, N, S, BLOCK: tl.constexpr):
@@ -27,6 +29,14 @@ if HAS_TRITON:
         s = tl.load(s_ptr + row)
         q = divide_by_scale(v, s, tl.math.div_rn(1.0, s))
         tl.store(out_ptr + row.to(tl.int64) * N + offs, q, mask=ok)
+
+
+    @triton.jit
+    def _scale_kernel(a_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        """out[n] = scale_from_amax_tl(a[n]) (no power-of-two rounding)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        tl.store(out_ptr + offs, scale_from_amax_tl(tl.load(a_ptr + offs, mask=ok, other=0.0), False), mask=ok)
 
 
 def _divide(v: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -109,12 +119,41 @@ def test_random_fp32_values_divide_as_ieee(device, request):
 @pytest.mark.parametrize("device", DEVICES)
 def test_special_cases_divide_as_ieee(device, request):
     """A zero residual keeps -0; an Inf scale (an Inf in the block) gives ±0 for finite values and NaN for Inf
-    ones, a NaN scale NaN."""
+    ones, a NaN scale NaN. An infinite value meets only infinite or NaN scales (its block's amax is Inf), the
+    quantizers' domain: with a finite scale the kernel gives NaN where IEEE gives ±Inf, so those pairs are left out."""
     setup_device(device, request)
     v = torch.tensor([0.0, -0.0, 1.0, -3.5, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40])
     scales = torch.tensor([1.0, 0.75, 1e-12, float("inf"), float("nan")])
     got = _divide(v.to(device), scales.to(device)).cpu()
     want = v[None, :] / scales[:, None]
+    domain = ~(torch.isinf(v)[None, :] & torch.isfinite(scales)[:, None])
+    got, want = torch.where(domain, got, 0.0), torch.where(domain, want, 0.0)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     finite = ~torch.isnan(want)
     assert _same_quotients(got[finite], want[finite], v[None, :].expand_as(want)[finite]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_is_amax_over_448_as_ieee(device, request):
+    """scale_from_amax_tl gives `fp8.quant.scale_from_amax`'s bits (IEEE amax / 448 after the floor) for every fp32
+    significand in two binades (the division's steps are exact under scaling by 2^k, so every binade behaves
+    alike; on the GPU all 2^23 significands, on CPU a random eighth of them for the interpreter's time), for random
+    amax over every exponent from the floor to the largest, and for the floor, 0, subnormals, the largest float,
+    Inf and NaN."""
+    setup_device(device, request)
+    generator = torch.Generator().manual_seed(2)
+    significands = torch.arange(1 << 23, dtype=torch.int32)
+    if device == "cpu":
+        significands = significands[torch.randperm(1 << 23, generator=generator)[: 1 << 20]]
+    binades = torch.cat([(significands | ((127 + e) << 23)).view(torch.float32) for e in (0, 1)])
+    exps = torch.randint(1, 255, (1 << 16,), generator=generator, dtype=torch.int32)
+    random = ((exps << 23) | torch.randint(0, 1 << 23, (1 << 16,), generator=generator, dtype=torch.int32))
+    special = torch.tensor([4.48e-10, 4.47e-10, 0.0, 1e-40, 3.4028234663852886e38, float("inf"), float("nan")])
+    amax = torch.cat([binades, random.view(torch.float32), special])
+    got = torch.empty_like(amax, device=device)
+    _scale_kernel[(triton.cdiv(amax.numel(), 4096),)](amax.to(device), got, amax.numel(), BLOCK=4096)
+    want = scale_from_amax(amax)
+    got = got.cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    differ = (got.view(torch.int32) != want.view(torch.int32)) & ~torch.isnan(want)
+    assert not differ.any(), f"{int(differ.sum())} scales differ; first amax {amax[differ][0].item()!r}"
