@@ -53,7 +53,7 @@ if HAS_TRITON:
         # significands; the steps are exact under scaling by 2^k in this range), without div_rn's slow-path branch.
         # A NaN or Inf amax has a NaN residual and keeps q (NaN, Inf).
         q = amax * 0.0022321429569274187
-        residual = tl.fma(-q, 448.0, amax)
+        residual = tl.fma(q, -448.0, amax)
         scale = tl.where(tl.abs(residual) > 0.0, tl.fma(residual, 0.0022321429569274187, q), q)
         if POW2:
             bits = scale.to(tl.int32, bitcast=True)
@@ -74,19 +74,20 @@ if HAS_TRITON:
         residual in fp32's normal range: |v| ≥ 2⁻¹⁰⁰; a smaller v has a quotient below 2⁻⁶⁰ with the quantizers'
         scales ≥ 1e-12, which E4M3 rounds to a signed zero either way). Three multiply-adds per value (the
         negations are operand modifiers), with no select:
-        - the residual is computed negated, q·scale − v, whose exact zero rounds to +0, so −(that) enters the
-          correction as −0: for v = ±0, q = ±0 and RN(−0·r + q) keeps v's sign (with the residual v − q·scale the
-          zero would be +0 and v = −0 would give +0);
-        - an infinite scale enters the residual as 0 (and r = 1/Inf = 0): q = v·0 and the result is v·0 + q, ±0
-          for a finite v and NaN for an infinite one, as v / Inf.
+        - the residual is computed negated, q·scale − v, whose exact zero rounds to +0, and enters the correction
+          times −r: for v = ±0, q = ±0 and RN(+0·(−r) + q) = RN(−0 + q) keeps v's sign (with the residual
+          v − q·scale the zero would be +0 and v = −0 would give +0);
+        - an infinite scale enters the residual as 0 (and r = 1/Inf = 0, −r = −0): q = v·0 and the result is
+          (−v)·(−0) + q, ±0 with v's sign for a finite v and NaN for an infinite one, as v / Inf.
         An infinite v with a finite scale lies outside the domain (it gives NaN, not ±Inf). The previous form kept q
         through a select on (residual == 0 or NaN); the compiler spilled those per-value predicates into packed bit
         fields; with this form and `scale_from_amax_tl`'s the quantizer kernels have 23–28 % fewer instructions and
         16–28 % fewer registers (ptxas for sm_90, docs/kernel_tuning.md). tests/fp8/test_division.py checks it
         against IEEE division."""
+        # the negations multiply by -1: Triton before 3.9 lowers a float's unary minus to 0 − x, which maps +0 to +0
         q = v * reciprocal
-        negated_residual = tl.fma(q, tl.where(scale == float("inf"), 0.0, scale), -v)
-        return tl.fma(-negated_residual, reciprocal, q)
+        negated_residual = tl.fma(q, tl.where(scale == float("inf"), 0.0, scale), v * -1.0)
+        return tl.fma(negated_residual, reciprocal * -1.0, q)
 
     @triton.jit
     def quantize_along_tl(v, AXIS: tl.constexpr, POW2: tl.constexpr):
