@@ -73,7 +73,7 @@ if HAS_TRITON:
         RN(q + residual·r) is the correctly rounded quotient (Markstein's theorem, given a correctly rounded r and a
         residual in fp32's normal range: |v| ≥ 2⁻¹⁰⁰; a smaller v has a quotient below 2⁻⁶⁰ with the quantizers'
         scales ≥ 1e-12, which E4M3 rounds to a signed zero either way). Three multiply-adds per value (the
-        negations are operand modifiers), with no select:
+        negations become operand modifiers in ptxas's sm_90 code), with no select:
         - the residual is computed negated, q·scale − v, whose exact zero rounds to +0, and enters the correction
           times −r: for v = ±0, q = ±0 and RN(+0·(−r) + q) = RN(−0 + q) keeps v's sign (with the residual
           v − q·scale the zero would be +0 and v = −0 would give +0);
@@ -84,7 +84,8 @@ if HAS_TRITON:
         fields; with this form and `scale_from_amax_tl`'s the quantizer kernels have 23–28 % fewer instructions and
         16–28 % fewer registers (ptxas for sm_90, docs/kernel_tuning.md). tests/fp8/test_division.py checks it
         against IEEE division."""
-        # the negations multiply by -1: Triton before 3.9 lowers a float's unary minus to 0 − x, which maps +0 to +0
+        # the negations multiply by -1: Triton 3.6 (the GPU's) lowers a float's unary minus to 0 − x, which maps +0
+        # to +0 (3.9 and the interpreter negate); a sign lost there made −0 / s come out +0 on the GPU only
         q = v * reciprocal
         negated_residual = tl.fma(q, tl.where(scale == float("inf"), 0.0, scale), v * -1.0)
         return tl.fma(negated_residual, reciprocal * -1.0, q)
