@@ -420,6 +420,13 @@ def sweep(tokens: int, experts: int) -> list[dict]:
         with G.GROUPED_TUNING.override(fprop=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
                 timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
+    # the default tiles loading the next K block's scales ahead (off by default until measured), also with fewer
+    # programs per SM, whose overlap the prefetch may make unnecessary
+    for bm, bn, warps, stages, ppsm in ((64, 128, 4, 3, 3), (64, 128, 4, 3, 2), (64, 128, 4, 4, 1)):
+        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, True, False, ppsm, prefetch_scales=True)
+        with G.GROUPED_TUNING.override(fprop=cfg):
+            for n, k, xq, xs, wq, ws in fprop_cases:
+                timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
     for cfg in SM90_SWEEP:  # the Hopper Gluon kernel, all three grouped GEMMs
         with G.GROUPED_TUNING.override(sm90=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
@@ -433,6 +440,12 @@ def sweep(tokens: int, experts: int) -> list[dict]:
     for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False)):
         cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
         with G.GROUPED_TUNING.override(wgrad=cfg):
+            for n, k, dyt, xt in wgrad_cases:
+                timed(f"wgrad N={n} K={k}", str(cfg),
+                      lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
+    for bm, bn, warps, stages, ppsm in ((128, 64, 4, 3, 2), (128, 64, 4, 3, 1)):  # with the scales loaded ahead
+        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, True, False, ppsm, prefetch_scales=True)
+        with G.GROUPED_TUNING.override(wgrad=cfg, sm90_wgrad=None):
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),
                       lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023

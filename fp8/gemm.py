@@ -77,6 +77,9 @@ class GemmConfig:
     # the K splits of each output tile (fp32 partials summed in split order by a second kernel); None: `wgrad_splits`
     # of the shape, 1: never split
     split_k: int | None = None
+    # TMA kernel only: load the next K block's scales during this block's product (`fp8.triton_blocks.tma_k_loop`;
+    # the same bits); off until a GPU measures it
+    prefetch_scales: bool = False
 
 
 # The defaults. On the H200 every GEMM of the Ling-mini shapes (attention, dense MLP, shared expert; forward,
@@ -241,7 +244,7 @@ if HAS_TRITON:
         M, N, K,
         stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
         masks) and, with NUM_PROGRAMS < #work items, each program loops over them (persistent grid). The TMA
@@ -275,7 +278,7 @@ if HAS_TRITON:
             bs_ptrs = b_scale_ptrs(bs_ptr, pid_n, offs_bn, stride_bsn, B_BLOCKWISE, BLOCK_N) + kb0 * stride_bsk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = tma_k_loop(acc, a_desc, b_desc, off_m, off_n, kb0 * BLOCK_K, split_blocks, as_ptrs, stride_ask,
-                             bs_ptrs, stride_bsk, B_BLOCKWISE and BLOCK_N == 128, WS)  # fmt: skip
+                             bs_ptrs, stride_bsk, B_BLOCKWISE and BLOCK_N == 128, WS, PREFETCH)  # fmt: skip
             if SPLIT_K == 1:
                 c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
             else:
@@ -342,7 +345,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: AnyGemmCo
             a, b, c, a_scale, b_scale, ws, m, n, k, a.stride(0), b.stride(0), c.stride(0),
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, SPLIT_K=splits,
+            NUM_PROGRAMS=progs, WS=cfg.warp_specialize, SPLIT_K=splits, PREFETCH=cfg.prefetch_scales,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:

@@ -325,7 +325,7 @@ if HAS_TRITON:
         stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr, STEPS: tl.constexpr,
-        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr,
+        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
         tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile. With
@@ -357,7 +357,7 @@ if HAS_TRITON:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if TMA:
                 acc = tma_k_loop(acc, a_desc, b_desc, row0, g * N + n0, 0, num_kb, as_ptrs, stride_ask, bs_ptrs,
-                                 stride_bsk, BLOCK_N == 128, WS)  # fmt: skip
+                                 stride_bsk, BLOCK_N == 128, WS, PREFETCH)  # fmt: skip
             else:
                 for kb in tl.range(0, num_kb):
                     if EVEN_K:
@@ -380,7 +380,7 @@ if HAS_TRITON:
         stride_an, stride_am, stride_bk, stride_bm, stride_cg, stride_cn, stride_ck,
         stride_asn, stride_asb, stride_bsk, stride_bsb,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, TMA: tl.constexpr,
-        TMA_STORE: tl.constexpr,
+        TMA_STORE: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """k-grouped wgrad: out[g] tile = Σ_j dot(a[n-tile, block b0+j], b[k-tile, block b0+j]ᵀ)·sa·sb over
         expert g's token blocks b0 = blocks[g] … blocks[g+1] − 1 of the block-aligned operands (whole 128-column
@@ -415,7 +415,7 @@ if HAS_TRITON:
             if TMA:
                 if nblk > 0:
                     acc = tma_k_loop(acc, a_desc, b_desc, n0, k0, b0 * 128, nblk, as_ptrs, stride_asb, bs_ptrs,
-                                     stride_bsb, False, False)  # fmt: skip
+                                     stride_bsb, False, False, PREFETCH)  # fmt: skip
             else:
                 for j in tl.range(0, nblk):
                     col = (b0 + j) * 128
@@ -585,6 +585,9 @@ class GroupedGemmConfig:
     tma: bool = True
     warp_specialize: bool = False
     programs_per_sm: int = 1
+    # TMA K loop: load the next K block's scales during this block's product (`fp8.triton_blocks.tma_k_loop`;
+    # the same bits); off until a GPU measures it
+    prefetch_scales: bool = False
 
 
 @dataclass(frozen=True)
@@ -687,7 +690,8 @@ def grouped_gemm(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
-        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, PREFETCH=cfg.prefetch_scales,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
@@ -734,7 +738,7 @@ def grouped_gemm_wgrad(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), c.stride(2),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, NUM_PROGRAMS=progs, TMA=tma, TMA_STORE=tma_store,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.prefetch_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 

@@ -123,23 +123,32 @@ if HAS_TRITON:
             return acc + (part * sa[:, None]) * sb[None, :]
 
     @triton.jit
-    def _block_dot(a_desc, b_desc, off_a, off_b, col):
-        """dot(A[off_a : +BM, col : +128], B[off_b : +BN, col : +128]ᵀ) into a fresh fp32 accumulator."""
-        return tl.dot(a_desc.load([off_a, col]), tl.trans(b_desc.load([off_b, col])))
-
-    @triton.jit
-    def _promote_block(acc, part, as_ptrs, bs_ptrs, kb, stride_as, stride_bs, SB_SCALAR: tl.constexpr):
-        return promote(acc, part, tl.load(as_ptrs + kb * stride_as), tl.load(bs_ptrs + kb * stride_bs), SB_SCALAR)
-
-    @triton.jit
     def tma_k_loop(acc, a_desc, b_desc, off_a, off_b, col0, num_kb, as_ptrs, stride_as, bs_ptrs, stride_bs,
-                   SB_SCALAR: tl.constexpr, WS: tl.constexpr):  # fmt: skip
+                   SB_SCALAR: tl.constexpr, WS: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
         """acc + Σ_kb dot(A block kb, B block kb)·sa_kb·sb_kb over num_kb K blocks of 128 columns, block kb at
         columns col0 + 128·kb of both TMA descriptors (A rows off_a…, B rows off_b…), its scales at
         as_ptrs + kb·stride_as and bs_ptrs + kb·stride_bs; each block's product is promoted before the next one
         is issued (the schedules that issue the next product first measured slower: docs/kernel_tuning.md).
-        WS: Triton's warp specialization of the loop."""
-        for kb in tl.range(0, num_kb, warp_specialize=WS):
-            part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))
-            acc = promote(acc, part, tl.load(as_ptrs + kb * stride_as), tl.load(bs_ptrs + kb * stride_bs), SB_SCALAR)
+        WS: Triton's warp specialization of the loop. PREFETCH: load block kb + 1's scales while block kb's product
+        runs (else they are loaded in block kb's iteration, and the sa·sb multiply that precedes its MMA waits for
+        them: the sm_90 code ptxas makes issues those loads after the TMA wait and the MMA after their use); the
+        same values in the same order, so the same bits."""
+        if PREFETCH:
+            if num_kb > 0:  # with no block, the first scale address may lie past the tensor
+                sa = tl.load(as_ptrs)
+                sb = tl.load(bs_ptrs)
+                for kb in tl.range(0, num_kb, warp_specialize=WS):
+                    following = tl.minimum(kb + 1, num_kb - 1)  # the last block reloads its own scales
+                    sa_next = tl.load(as_ptrs + following * stride_as)
+                    sb_next = tl.load(bs_ptrs + following * stride_bs)
+                    part = tl.dot(a_desc.load([off_a, col0 + kb * 128]),
+                                  tl.trans(b_desc.load([off_b, col0 + kb * 128])))
+                    acc = promote(acc, part, sa, sb, SB_SCALAR)
+                    sa = sa_next
+                    sb = sb_next
+        else:
+            for kb in tl.range(0, num_kb, warp_specialize=WS):
+                part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))
+                acc = promote(acc, part, tl.load(as_ptrs + kb * stride_as), tl.load(bs_ptrs + kb * stride_bs),
+                              SB_SCALAR)  # fmt: skip
         return acc

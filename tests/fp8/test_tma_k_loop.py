@@ -1,7 +1,8 @@
 """The TMA kernels' K loop (fp8/triton_blocks.py `tma_k_loop`) against the pointer-load kernels: the same tiles give
 the same bits (the same per-block products, promoted in the same order), so the TMA path, the GPU default, is also
-checked in the interpreter. Dense shapes with one, an odd and an even number of K blocks and a zero-filled K tail;
-grouped segments of zero to three token blocks. Both are also checked against float64 here and in
+checked in the interpreter; so is its variant that loads the next block's scales ahead (`prefetch_scales`). Dense
+shapes with one, an odd and an even number of K blocks and a zero-filled K tail; grouped segments of zero to three
+token blocks. Both are also checked against float64 here and in
 test_fp8_gemm.py / test_fp8_grouped.py."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
 TOL = 4e-3  # bf16 output rounding (8 significant bits: ~1.1e-3 rms), as in test_fp8_gemm.py
 
 
-LOADS = ("tma", "pointer")
+LOADS = ("tma", "tma_prefetch", "pointer")  # "tma_prefetch": prefetch_scales=True
 
 
 def _dense(device, m, n, k, loads, wgrad):
@@ -39,7 +40,9 @@ def _dense(device, m, n, k, loads, wgrad):
     b = torch.randn(n, k, device=device) * 0.02
     aq, as_ = quantize_1x128(a, backend="triton")
     bq, bs = quantize_1x128(b, backend="triton") if wgrad else quantize_128x128(b, backend="triton")
-    cfg = GemmConfig(64, 128, 4, num_warps=4, num_stages=2, tma=loads == "tma", persistent=loads == "tma")
+    tma = loads.startswith("tma")
+    cfg = GemmConfig(64, 128, 4, num_warps=4, num_stages=2, tma=tma, persistent=tma,
+                     prefetch_scales=loads == "tma_prefetch")  # fmt: skip
     fn = fp8_gemm_wgrad if wgrad else fp8_gemm
     out = fn(aq, as_, bq, bs, out_dtype=torch.bfloat16, backend="triton", config=cfg)
     deq_b = dequantize_1x128 if wgrad else dequantize_128x128
@@ -57,14 +60,16 @@ def test_dense_tma_and_pointer_kernels_are_bit_identical(device, shape, wgrad, r
         outs[loads], ref = _dense(device, *shape, loads, wgrad)
     assert rel(outs["tma"], ref) < TOL
     assert torch.equal(outs["tma"].view(torch.int16), outs["pointer"].view(torch.int16))
+    assert torch.equal(outs["tma_prefetch"].view(torch.int16), outs["pointer"].view(torch.int16))
 
 
 def _grouped_cfg(device: str, loads: str, wgrad: bool) -> GroupedGemmConfig:
     if device == "cpu":  # small tiles keep the interpreter fast
         return GroupedGemmConfig(block_m=32, block_n=32 if wgrad else 128, num_warps=4, num_stages=2,
-                                 tma=loads == "tma")  # fmt: skip
+                                 tma=loads.startswith("tma"), prefetch_scales=loads == "tma_prefetch")  # fmt: skip
     tuned = GROUPED_TUNING.current()
-    return dataclasses.replace(tuned.wgrad if wgrad else tuned.fprop, tma=loads == "tma")
+    return dataclasses.replace(tuned.wgrad if wgrad else tuned.fprop, tma=loads.startswith("tma"),
+                               prefetch_scales=loads == "tma_prefetch")  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,5 +97,6 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
         else:
             assert torch.equal(dw["tma"][e], torch.zeros(n, 64))  # an empty expert: exact zeros
     used = int(rows.offsets[-1])
-    assert torch.equal(fwd["pointer"][:used], fwd["tma"][:used])
-    assert torch.equal(dw["pointer"], dw["tma"])
+    for loads in ("tma", "tma_prefetch"):
+        assert torch.equal(fwd["pointer"][:used], fwd[loads][:used])
+        assert torch.equal(dw["pointer"], dw[loads])
