@@ -132,7 +132,7 @@ if HAS_TRITON:
         WS: Triton's warp specialization of the loop. PREFETCH: load block kb + 1's scales while block kb's product
         runs (else they are loaded in block kb's iteration, and the sa·sb multiply that precedes its MMA waits for
         them: the sm_90 code ptxas makes issues those loads after the TMA wait and the MMA after their use); the
-        same values in the same order, so the same bits."""
+        same values in the same order, so the same bits. Not tried together with WS."""
         if PREFETCH:
             if num_kb > 0:  # with no block, the first scale address may lie past the tensor
                 sa = tl.load(as_ptrs)
