@@ -52,9 +52,10 @@ if HAS_TRITON:
         # that fp32 value exactly): the same bits as div_rn for every amax from the floor up (checked for all fp32
         # significands; the steps are exact under scaling by 2^k in this range), without div_rn's slow-path branch.
         # A NaN or Inf amax has a NaN residual and keeps q (NaN, Inf).
-        q = amax * 0.0022321429569274187
+        reciprocal_448 = 0.0022321429569274187
+        q = amax * reciprocal_448
         residual = tl.fma(q, -448.0, amax)
-        scale = tl.where(tl.abs(residual) > 0.0, tl.fma(residual, 0.0022321429569274187, q), q)
+        scale = tl.where(tl.abs(residual) > 0.0, tl.fma(residual, reciprocal_448, q), q)
         if POW2:
             bits = scale.to(tl.int32, bitcast=True)
             exp_bits = bits & 0x7F800000

@@ -134,14 +134,14 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, row_weight: t
     if row_weight.shape != (c,) or row_weight.dtype != torch.float32:
         raise ValueError(f"cross_entropy_grad: row_weight must be float32 [{c}], got {row_weight.dtype} "
                          f"{tuple(row_weight.shape)}")
+    if vocab == 0:
+        raise ValueError("cross_entropy_grad: logits have no columns")
     if not use_triton(logits, backend):
         return cross_entropy_grad_ref(logits, target, row_weight)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     nll = torch.empty(c, device=logits.device, dtype=torch.float32)
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    if vocab == 0:
-        raise ValueError("cross_entropy_grad: logits have no columns")
     if c == 0:
         return nll, grad
     cfg = CROSS_ENTROPY_TUNING.current()  # split a multiple of block: checked by CrossEntropyConfig
