@@ -414,16 +414,14 @@ def sweep(tokens: int, experts: int) -> list[dict]:
         fprop_cases.append((n, k, xq, xs, wq, ws))
     fwd_tiles = [(64, 128, 4, 4, 3), (64, 128, 4, 3, 3), (64, 128, 8, 4, 2), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
                  (64, 256, 8, 3, 1), (128, 256, 8, 3, 1)]  # (block_m, block_n, warps, stages, programs per SM)
-    for (bm, bn, warps, stages, ppsm), (tma, ws_) in itertools.product(fwd_tiles, [(True, False), (True, True),
-                                                                                   (False, False)]):  # fmt: skip
-        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, ws_, ppsm)
-        with G.GROUPED_TUNING.override(fprop=cfg):
-            for n, k, xq, xs, wq, ws in fprop_cases:
-                timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
+    fwd_configs = [G.GroupedGemmConfig(bm, bn, warps, stages, tma, ws_, ppsm)
+                   for (bm, bn, warps, stages, ppsm), (tma, ws_) in itertools.product(
+                       fwd_tiles, [(True, False), (True, True), (False, False)])]  # fmt: skip
     # the default tiles loading the next K block's scales ahead (off by default until measured), also with fewer
     # programs per SM, whose overlap the prefetch may make unnecessary
-    for bm, bn, warps, stages, ppsm in ((64, 128, 4, 3, 3), (64, 128, 4, 3, 2), (64, 128, 4, 4, 1)):
-        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, True, False, ppsm, prefetch_scales=True)
+    fwd_configs += [G.GroupedGemmConfig(64, 128, 4, stages, True, False, ppsm, prefetch_scales=True)
+                    for stages, ppsm in ((3, 3), (3, 2), (4, 1))]  # fmt: skip
+    for cfg in fwd_configs:
         with G.GROUPED_TUNING.override(fprop=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
                 timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
@@ -437,14 +435,13 @@ def sweep(tokens: int, experts: int) -> list[dict]:
                             G.quantize_tokens_grouped(rand(rows.num_rows, k), rows)))  # fmt: skip
     wgrad_tiles = [(128, 64, 4, 3, 2), (128, 64, 4, 3, 1), (128, 64, 4, 4, 1), (128, 64, 8, 3, 2), (128, 32, 4, 4, 2),
                    (256, 64, 8, 3, 1), (128, 128, 8, 3, 1), (64, 128, 4, 3, 2)]  # the k-grouped kernel's
-    for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False)):
-        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
-        with G.GROUPED_TUNING.override(wgrad=cfg):
-            for n, k, dyt, xt in wgrad_cases:
-                timed(f"wgrad N={n} K={k}", str(cfg),
-                      lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
-    for bm, bn, warps, stages, ppsm in ((128, 64, 4, 3, 2), (128, 64, 4, 3, 1)):  # with the scales loaded ahead
-        cfg = G.GroupedGemmConfig(bm, bn, warps, stages, True, False, ppsm, prefetch_scales=True)
+    wgrad_configs = [G.GroupedGemmConfig(bm, bn, warps, stages, tma, False, ppsm)
+                     for (bm, bn, warps, stages, ppsm), tma in itertools.product(wgrad_tiles, (True, False))]
+    wgrad_configs += [G.GroupedGemmConfig(128, 64, 4, 3, True, False, ppsm, prefetch_scales=True)
+                      for ppsm in (2, 1)]  # with the scales loaded ahead
+    for cfg in wgrad_configs:
+        # sm90_wgrad=None: the Triton tiles themselves, also where the experts' segments are short enough for the
+        # default to hand the wgrad to the Gluon kernel (256 experts: 5 token blocks each at 16,384 tokens)
         with G.GROUPED_TUNING.override(wgrad=cfg, sm90_wgrad=None):
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),
