@@ -80,6 +80,10 @@ class GemmConfig:
     # TMA kernel only: load the next K block's scales during this block's product (`fp8.triton_blocks.tma_k_loop`;
     # the same bits); off until a GPU measures it
     prefetch_scales: bool = False
+    # TMA kernel only, unsplit: flatten the persistent tile loop and the K loop into one loop (Triton's
+    # `tl.range(flatten=True)`), so that the software pipeliner loads the next tile's first K blocks during this
+    # tile's promotion and store; the same bits; off until a GPU measures it
+    flatten: bool = False
 
 
 # The defaults. On the H200 every GEMM of the Ling-mini shapes (attention, dense MLP, shared expert; forward,
@@ -245,6 +249,7 @@ if HAS_TRITON:
         stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
         B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr,
+        FLATTEN: tl.constexpr,
     ):  # fmt: skip
         """Same maths as `_fp8_gemm_kernel`; tiles move by TMA (zero-filled out of bounds, so K tails need no
         masks) and, with NUM_PROGRAMS < #work items, each program loops over them (persistent grid). The TMA
@@ -259,7 +264,7 @@ if HAS_TRITON:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         num_kb = tl.cdiv(K, BLOCK_K)
         split_kb = tl.cdiv(num_kb, SPLIT_K)  # K blocks per split (the last split may have fewer)
-        for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_PROGRAMS):
+        for item in tl.range(tl.program_id(0), num_tiles * SPLIT_K, NUM_PROGRAMS, flatten=FLATTEN):
             if SPLIT_K == 1:
                 tile = item
                 kb0 = 0
@@ -346,7 +351,7 @@ def _launch(a, a_scale, b, b_scale, out_dtype, b_blockwise: bool, cfg: AnyGemmCo
             a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
             B_BLOCKWISE=b_blockwise, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
             NUM_PROGRAMS=progs, WS=cfg.warp_specialize, SPLIT_K=splits, PREFETCH=cfg.prefetch_scales,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            FLATTEN=cfg.flatten and splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             _sum_splits_kernel[(cdiv(m * n, SPLIT_SUM_BLOCK),)](ws, c, m * n, SPLIT_K=splits, BLOCK=SPLIT_SUM_BLOCK)

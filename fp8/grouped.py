@@ -325,18 +325,18 @@ if HAS_TRITON:
         stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_cm, stride_cn,
         stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr, STEPS: tl.constexpr,
-        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+        TMA: tl.constexpr, WS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, FLATTEN: tl.constexpr,
     ):  # fmt: skip
         """Persistent grid over the (expert, row tile, column tile) table; expert g owns the tile ids
         tiles[g]·nN : tiles[g+1]·nN, row tiles fastest so neighbouring programs share g's weight tile. With
         TMA the K loop is `tma_k_loop` over host-built descriptors (b as its [G·N, K] rows); else pointer loads (any
         strides, K tails masked). Descriptors built on the device, as the other TMA kernels do, made this kernel
-        about 10 % slower on the H200 (docs/kernel_tuning.md)."""
+        about 10 % slower on the H200 (docs/kernel_tuning.md). FLATTEN: one flattened loop over (tile, K block)."""
         BLOCK_K: tl.constexpr = 128
         num_n = tl.cdiv(N, BLOCK_N)
         num_tiles = tl.load(tiles_ptr + G) * num_n
         num_kb = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
             g = _find_group(tiles_ptr, tile // num_n, G, STEPS)
             t0 = tl.load(tiles_ptr + g)
             mt = tl.load(tiles_ptr + g + 1) - t0
@@ -588,6 +588,10 @@ class GroupedGemmConfig:
     # TMA K loop: load the next K block's scales during this block's product (`fp8.triton_blocks.tma_k_loop`;
     # the same bits); off until a GPU measures it
     prefetch_scales: bool = False
+    # forward/dgrad with TMA: flatten the persistent tile loop and the K loop into one (`tl.range(flatten=True)`),
+    # so the pipeliner loads the next tile's first K blocks during this tile's store; the same bits; off until a
+    # GPU measures it. The wgrad ignores it: its token loop's length varies by expert, which Triton does not fuse
+    flatten: bool = False
 
 
 @dataclass(frozen=True)
@@ -691,7 +695,7 @@ def grouped_gemm(
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_PROGRAMS=progs, STEPS=_search_steps(g), TMA=tma,
         WS=cfg.warp_specialize and tma, EVEN_K=k % BLOCK == 0, PREFETCH=cfg.prefetch_scales,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FLATTEN=cfg.flatten and tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 

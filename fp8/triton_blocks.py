@@ -133,20 +133,23 @@ if HAS_TRITON:
         WS: Triton's warp specialization of the loop. PREFETCH: load block kb + 1's scales while block kb's product
         runs (else they are loaded in block kb's iteration, and the sa·sb multiply that precedes its MMA waits for
         them: the sm_90 code ptxas makes issues those loads after the TMA wait and the MMA after their use); the
-        same values in the same order, so the same bits. Not tried together with WS."""
+        same values in the same order, so the same bits. Not tried together with WS. PREFETCH needs num_kb >= 1
+        (it loads block 0's scales before the loop, whose address lies past the tensor when there is no block):
+        the dense kernel is not launched for K = 0 and makes no empty split (`fp8.gemm.wgrad_splits`), the grouped
+        forward is not launched for K = 0, and the grouped wgrad calls this only for experts with tokens."""
         if PREFETCH:
-            if num_kb > 0:  # with no block, the first scale address may lie past the tensor
-                sa = tl.load(as_ptrs)
-                sb = tl.load(bs_ptrs)
-                for kb in tl.range(0, num_kb, warp_specialize=WS):
-                    following = tl.minimum(kb + 1, num_kb - 1)  # the last block reloads its own scales
-                    sa_next = tl.load(as_ptrs + following * stride_as)
-                    sb_next = tl.load(bs_ptrs + following * stride_bs)
-                    part = tl.dot(a_desc.load([off_a, col0 + kb * 128]),
-                                  tl.trans(b_desc.load([off_b, col0 + kb * 128])))
-                    acc = promote(acc, part, sa, sb, SB_SCALAR)
-                    sa = sa_next
-                    sb = sb_next
+            # block 0's scales before the loop: needs num_kb >= 1 (see the docstring); no `if` guards it, since an
+            # `if` around the loop would hide it from `tl.range(flatten=True)` in the callers' tile loops
+            sa = tl.load(as_ptrs)
+            sb = tl.load(bs_ptrs)
+            for kb in tl.range(0, num_kb, warp_specialize=WS):
+                following = tl.minimum(kb + 1, num_kb - 1)  # the last block reloads its own scales
+                sa_next = tl.load(as_ptrs + following * stride_as)
+                sb_next = tl.load(bs_ptrs + following * stride_bs)
+                part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))
+                acc = promote(acc, part, sa, sb, SB_SCALAR)
+                sa = sa_next
+                sb = sb_next
         else:
             for kb in tl.range(0, num_kb, warp_specialize=WS):
                 part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))

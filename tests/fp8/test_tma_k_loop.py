@@ -1,6 +1,8 @@
 """The TMA kernels' K loop (fp8/triton_blocks.py `tma_k_loop`) against the pointer-load kernels: the same tiles give
 the same bits (the same per-block products, promoted in the same order), so the TMA path, the GPU default, is also
-checked in the interpreter; so is its variant that loads the next block's scales ahead (`prefetch_scales`). Dense
+checked in the interpreter; so is its variant that loads the next block's scales ahead (`prefetch_scales`). On the
+GPU also the flattened tile and K loops (`flatten`, with and without the prefetch), a compiler transformation that
+the interpreter does not apply (so those cases run only where it can fail). Dense
 shapes with one, an odd and an even number of K blocks and a zero-filled K tail; grouped segments of zero to three
 token blocks. Both are also checked against float64 here and in
 test_fp8_gemm.py / test_fp8_grouped.py."""
@@ -32,6 +34,12 @@ TOL = 4e-3  # bf16 output rounding (8 significant bits: ~1.1e-3 rms), as in test
 
 
 LOADS = ("tma", "tma_prefetch", "pointer")  # "tma_prefetch": prefetch_scales=True
+# flatten=True, without and with prefetch_scales: compiled kernels only (the interpreter ignores tl.range's flatten)
+FLATTENED = ("tma_flatten", "tma_prefetch_flatten")
+
+
+def _loads(device: str) -> tuple[str, ...]:
+    return LOADS if device == "cpu" else LOADS + FLATTENED
 
 
 def _dense(device, m, n, k, loads, wgrad):
@@ -42,7 +50,7 @@ def _dense(device, m, n, k, loads, wgrad):
     bq, bs = quantize_1x128(b, backend="triton") if wgrad else quantize_128x128(b, backend="triton")
     tma = loads.startswith("tma")
     cfg = GemmConfig(64, 128, 4, num_warps=4, num_stages=2, tma=tma, persistent=tma,
-                     prefetch_scales=loads == "tma_prefetch")  # fmt: skip
+                     prefetch_scales="prefetch" in loads, flatten=loads.endswith("flatten"))  # fmt: skip
     fn = fp8_gemm_wgrad if wgrad else fp8_gemm
     out = fn(aq, as_, bq, bs, out_dtype=torch.bfloat16, backend="triton", config=cfg)
     deq_b = dequantize_1x128 if wgrad else dequantize_128x128
@@ -56,20 +64,20 @@ def _dense(device, m, n, k, loads, wgrad):
 def test_dense_tma_and_pointer_kernels_are_bit_identical(device, shape, wgrad, request):
     setup_device(device, request)
     outs = {}
-    for loads in LOADS:
+    for loads in _loads(device):
         outs[loads], ref = _dense(device, *shape, loads, wgrad)
     assert rel(outs["tma"], ref) < TOL
-    assert torch.equal(outs["tma"].view(torch.int16), outs["pointer"].view(torch.int16))
-    assert torch.equal(outs["tma_prefetch"].view(torch.int16), outs["pointer"].view(torch.int16))
+    for loads in _loads(device):
+        assert torch.equal(outs[loads].view(torch.int16), outs["pointer"].view(torch.int16)), loads
 
 
 def _grouped_cfg(device: str, loads: str, wgrad: bool) -> GroupedGemmConfig:
     if device == "cpu":  # small tiles keep the interpreter fast
         return GroupedGemmConfig(block_m=32, block_n=32 if wgrad else 128, num_warps=4, num_stages=2,
-                                 tma=loads.startswith("tma"), prefetch_scales=loads == "tma_prefetch")  # fmt: skip
+                                 tma=loads.startswith("tma"), prefetch_scales="prefetch" in loads)  # fmt: skip
     tuned = GROUPED_TUNING.current()
     return dataclasses.replace(tuned.wgrad if wgrad else tuned.fprop, tma=loads.startswith("tma"),
-                               prefetch_scales=loads == "tma_prefetch")  # fmt: skip
+                               prefetch_scales="prefetch" in loads, flatten=loads.endswith("flatten"))  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,7 +92,7 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
     dyt = quantize_tokens_grouped(dy, rows, backend="triton")
     xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, 64, device, 3.0), rows, backend="triton")
     fwd, dw = {}, {}
-    for loads in LOADS:
+    for loads in _loads(device):
         fprop_cfg, wgrad_cfg = _grouped_cfg(device, loads, False), _grouped_cfg(device, loads, True)
         with GROUPED_TUNING.override(fprop=fprop_cfg, wgrad=wgrad_cfg, sm90_wgrad=None):  # the Triton kernels
             fwd[loads] = grouped_gemm(x_q, x_s, w_q, w_s, rows, out_dtype=torch.float32, backend="triton").cpu()
@@ -97,6 +105,6 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
         else:
             assert torch.equal(dw["tma"][e], torch.zeros(n, 64))  # an empty expert: exact zeros
     used = int(rows.offsets[-1])
-    for loads in ("tma", "tma_prefetch"):
-        assert torch.equal(fwd["pointer"][:used], fwd[loads][:used])
-        assert torch.equal(dw["pointer"], dw[loads])
+    for loads in _loads(device):
+        assert torch.equal(fwd["pointer"][:used], fwd[loads][:used]), loads
+        assert torch.equal(dw["pointer"], dw[loads]), loads

@@ -1,13 +1,18 @@
-"""`prefetch_scales` A/B, ready for a GPU (written in the ninth session, 2026-12-06, not yet run there).
+"""The TMA K loop's variants A/B, ready for a GPU (written in the ninth and tenth sessions, 2026-12-06, not yet run
+there): `prefetch_scales` (the next K block's scales loaded during this block's product) and `flatten` (the
+persistent tile loop and the K loop flattened into one, so the pipeliner loads the next tile's first K blocks
+during this tile's store; forward and dgrad only, the wgrad's token loop varies by expert).
 
-Every FP8 GEMM of the e64 step at 16,384 tokens, the default tiles against the same tiles loading the next K
-block's scales ahead (and that with fewer programs per SM), bits compared, `triton.testing.do_bench` medians,
-alternating three rounds; a table last. Run from the repo root: `python docs/results/prefetch_ab/prefetch_ab.py`.
-`--cpu-smoke` runs every call once on tiny shapes in Triton's interpreter (no timing) to check the script."""
+Every FP8 GEMM of the e64 step at 16,384 tokens, the default tiles against the same tiles with each variant (and
+the prefetch with fewer programs per SM), bits compared, `triton.testing.do_bench` medians, alternating three
+rounds; a table last. Run from the repo root: `python docs/results/kloop_ab/kloop_ab.py`. `--cpu-smoke` runs
+every call once on tiny shapes in Triton's interpreter (no timing; the interpreter ignores `flatten`) to check the
+script."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -20,6 +25,7 @@ import torch  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--cpu-smoke", action="store_true")
 p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--json", default=None, help="also write {gemm: {variant: {ms, same_bits}}} here (median ms)")
 args = p.parse_args()
 if args.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -98,24 +104,22 @@ def main() -> None:
     print(torch.cuda.get_device_name() if DEV == "cuda" else "CPU interpreter (smoke run, no timing)")
     base = FPROP_CONFIG if DEV == "cuda" else GemmConfig(64, 64, 4, num_warps=4, num_stages=2, tma=True,
                                                          persistent=True)  # fmt: skip
-    dense_variants = {"default": base, "prefetch": dataclasses.replace(base, prefetch_scales=True),
-                      "prefetch, fewer per SM": dataclasses.replace(base, prefetch_scales=True, programs_per_sm=1)}
+    # variant: (prefetch_scales, flatten, programs per SM: dense, grouped forward, grouped wgrad; None = the tiles')
+    changes = {"default": (False, False, None), "prefetch": (True, False, None), "flatten": (False, True, None),
+               "flatten + prefetch": (True, True, None), "prefetch, fewer per SM": (True, False, (1, 2, 1))}
     tuned = G.GROUPED_TUNING.current()
-    grouped_variants = {
-        "default": {},
-        "prefetch": {"fprop": dataclasses.replace(tuned.fprop, prefetch_scales=True, tma=True),
-                     "wgrad": dataclasses.replace(tuned.wgrad, prefetch_scales=True, tma=True)},
-        "prefetch, fewer per SM": {
-            "fprop": dataclasses.replace(tuned.fprop, prefetch_scales=True, tma=True, programs_per_sm=2),
-            "wgrad": dataclasses.replace(tuned.wgrad, prefetch_scales=True, tma=True, programs_per_sm=1)},
-    }
+    grouped_base = {"fprop": tuned.fprop, "wgrad": tuned.wgrad}
     if DEV == "cpu":  # the interpreter's small tiles
-        small = {"fprop": G.GroupedGemmConfig(32, 128, 4, 2, True), "wgrad": G.GroupedGemmConfig(32, 32, 4, 2, True)}
-        grouped_variants = {"default": small,
-                            "prefetch": {k: dataclasses.replace(v, prefetch_scales=True) for k, v in small.items()},
-                            "prefetch, fewer per SM": {
-                                k: dataclasses.replace(v, prefetch_scales=True, programs_per_sm=2)
-                                for k, v in small.items()}}
+        grouped_base = {"fprop": G.GroupedGemmConfig(32, 128, 4, 2, True),
+                        "wgrad": G.GroupedGemmConfig(32, 32, 4, 2, True)}
+    dense_variants, grouped_variants = {}, {}
+    for name, (prefetch, flatten, per_sm) in changes.items():
+        dense_variants[name] = dataclasses.replace(base, prefetch_scales=prefetch, flatten=flatten,
+                                                   programs_per_sm=per_sm[0] if per_sm else base.programs_per_sm)
+        grouped_variants[name] = {
+            kind: dataclasses.replace(cfg, prefetch_scales=prefetch, tma=True, flatten=flatten and kind == "fprop",
+                                      programs_per_sm=per_sm[1 + (kind == "wgrad")] if per_sm else cfg.programs_per_sm)
+            for kind, cfg in grouped_base.items()}
     rows, times = [], {}
     dense, grouped = dense_cases(), grouped_cases()
     ref = {name: bits(fn(dense_variants["default"])) for name, _, fn in dense}
@@ -134,8 +138,9 @@ def main() -> None:
                     times.setdefault((name, variant), []).append((ms(fn), same, flops))
     names = [c[0] for c in dense] + [c[0] for c in grouped]
     variants = list(dense_variants)
-    print("\n| GEMM | " + " | ".join(f"{v} TFLOPS" for v in variants) + " | prefetch / default |")
-    print("|---|" + "---|" * (len(variants) + 1))
+    print("\n| GEMM | " + " | ".join(f"{v} TFLOPS" for v in variants) + " | "
+          + " | ".join(f"default / {v}" for v in variants[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(variants) - 1))
     for name in names:
         cells, med = [], {}
         for v in variants:
@@ -144,9 +149,15 @@ def main() -> None:
             med[v] = t
             ok = all(r[1] for r in got)
             cells.append(f"{flops / t / 1e9:.0f}{'' if ok else ' BITS!'}" if t == t else ("ran" if ok else "BITS!"))
-        ratio = med["default"] / med["prefetch"] if med["prefetch"] == med["prefetch"] else float("nan")
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+        ratios = [med["default"] / med[v] for v in variants[1:]]
+        rows.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(f"{r:.3f}" for r in ratios) + " |")
     print("\n".join(rows))
+    if args.json:
+        medians = {name: {v: {"ms": sorted(r[0] for r in times[(name, v)])[len(times[(name, v)]) // 2],
+                              "same_bits": all(r[1] for r in times[(name, v)])} for v in variants}
+                   for name in names}
+        with open(args.json, "w") as f:
+            json.dump(medians, f, indent=1)
 
 
 if __name__ == "__main__":
