@@ -78,11 +78,11 @@ class GemmConfig:
     # of the shape, 1: never split
     split_k: int | None = None
     # TMA kernel only: load the next K block's scales during this block's product (`fp8.triton_blocks.tma_k_loop`;
-    # the same bits); off until a GPU measures it
+    # the same bits); on in WGRAD_CONFIG, where it measured faster
     prefetch_scales: bool = False
     # TMA kernel only, unsplit: flatten the persistent tile loop and the K loop into one loop (Triton's
     # `tl.range(flatten=True)`), so that the software pipeliner loads the next tile's first K blocks during this
-    # tile's promotion and store; the same bits; off until a GPU measures it
+    # tile's promotion and store; the same bits; off: slower on every Ling shape but one (docs/kernel_tuning.md)
     flatten: bool = False
 
 
@@ -92,7 +92,10 @@ class GemmConfig:
 # (figures: docs/kernel_tuning.md).
 FPROP_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, tma=True, persistent=True,
                           programs_per_sm=2)  # fmt: skip
-WGRAD_CONFIG = FPROP_CONFIG  # with a 16-bit output (the weight's dtype in bf16 training)
+# With a 16-bit output (the weight's dtype in bf16 training) the same tiles, loading each K block's scales during the
+# previous block's product: B's scales are a vector per K block here (1x128 along the tokens), and the prefetch ran
+# the wgrad of every Ling shape 1.06-1.15x faster on an H100, the forward and dgrad 0.94-1.0x (docs/kernel_tuning.md)
+WGRAD_CONFIG = dataclasses.replace(FPROP_CONFIG, prefetch_scales=True)
 # An fp32 output tile doubles the epilogue's shared memory, so two programs no longer fit on an SM (the 64x128
 # tiles then ran the wgrad at 363-395 TFLOPS): 128x128 tiles, warp specialization, 3 stages (635-660).
 WGRAD_FP32_CONFIG = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3, tma=True,

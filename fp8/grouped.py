@@ -586,11 +586,12 @@ class GroupedGemmConfig:
     warp_specialize: bool = False
     programs_per_sm: int = 1
     # TMA K loop: load the next K block's scales during this block's product (`fp8.triton_blocks.tma_k_loop`;
-    # the same bits); off until a GPU measures it
+    # the same bits); on in GroupedConfig's forward/dgrad tiles, where it measured faster
     prefetch_scales: bool = False
     # forward/dgrad with TMA: flatten the persistent tile loop and the K loop into one (`tl.range(flatten=True)`),
-    # so the pipeliner loads the next tile's first K blocks during this tile's store; the same bits; off until a
-    # GPU measures it. The wgrad ignores it: its token loop's length varies by expert, which Triton does not fuse
+    # so the pipeliner loads the next tile's first K blocks during this tile's store; the same bits; off: 0.79-0.83x
+    # on the e64 shapes (docs/kernel_tuning.md). The wgrad ignores it: its token loop's length varies by expert,
+    # which Triton does not fuse
     flatten: bool = False
 
 
@@ -608,9 +609,12 @@ class GroupedConfig:
     SwiGLU program. The token-dim quantizers: 16 features of a 128-token block per one-warp program (the many
     small programs hide the gathered loads' latency; fusing the token-dim quantizers into the row quantizer or the
     SwiGLU backward measured 1.75-2.4x slower, docs/kernel_tuning.md), a block's feature chunks launched together
-    except for the gathered tokens (H100 sweep, 2026-12-06)."""
+    except for the gathered tokens (H100 sweep, 2026-12-06). The forward/dgrad tiles load each K block's scales
+    during the previous block's product (1.01-1.03x on the e64 shapes on an H100; the wgrad's measured 0.92-0.98x
+    with it, so it stays off there: docs/kernel_tuning.md)."""
 
-    fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3)
+    fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3,
+                                                 prefetch_scales=True)  # fmt: skip
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
     # on sm_90 GPUs: the Gluon tiles of all three GEMMs; None (the default): the Triton ones, faster forward/dgrad
     # as measured (docs/benchmarks.md, 2026-12-05)
