@@ -49,10 +49,12 @@ SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048),
 # programs per SM with 4 and 3 stages (also swept by bench_moe.py on the grouped GEMMs)
 SM90_SWEEP = [SM90_CONFIG, SM90_SMALL_TILES, dataclasses.replace(SM90_SMALL_TILES, stages=3)]
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
-    GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2),  # default, bar fp32 wgrad
-    # the default loading the next K block's scales ahead (off by default until measured: fp8/triton_blocks.py)
+    GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2),  # FPROP_CONFIG
+    # loading the next K block's scales ahead (fp8/triton_blocks.py): WGRAD_CONFIG, the 16-bit wgrad's default
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2, prefetch_scales=True),
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=1, prefetch_scales=True),
+    # the tile loop and the K loop flattened into one (off by default: slower as measured, docs/kernel_tuning.md)
+    GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2, flatten=True),
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=3),
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=False),
     GemmConfig(128, 128, 8, 8, 4, tma=True, persistent=True, warp_specialize=True),  # fprop's until 2026-12-02

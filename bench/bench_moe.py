@@ -417,10 +417,13 @@ def sweep(tokens: int, experts: int) -> list[dict]:
     fwd_configs = [G.GroupedGemmConfig(bm, bn, warps, stages, tma, ws_, ppsm)
                    for (bm, bn, warps, stages, ppsm), (tma, ws_) in itertools.product(
                        fwd_tiles, [(True, False), (True, True), (False, False)])]  # fmt: skip
-    # the default tiles loading the next K block's scales ahead (off by default until measured), also with fewer
-    # programs per SM, whose overlap the prefetch may make unnecessary
+    # the tiles loading the next K block's scales ahead (the default: GroupedConfig.fprop), also with fewer programs
+    # per SM, whose overlap the prefetch may make unnecessary; and with the tile and K loops flattened into one
+    # (off by default: slower as measured, docs/kernel_tuning.md)
     fwd_configs += [G.GroupedGemmConfig(64, 128, 4, stages, True, False, ppsm, prefetch_scales=True)
                     for stages, ppsm in ((3, 3), (3, 2), (4, 1))]  # fmt: skip
+    fwd_configs += [G.GroupedGemmConfig(64, 128, 4, 3, True, False, 3, prefetch_scales=prefetch, flatten=True)
+                    for prefetch in (False, True)]  # fmt: skip
     for cfg in fwd_configs:
         with G.GROUPED_TUNING.override(fprop=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
