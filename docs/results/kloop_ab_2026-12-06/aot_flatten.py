@@ -38,15 +38,16 @@ grouped_sig = {"a_ptr": "*fp8e4nv", "a_desc": "tensordesc<fp8e4nv[64, 128]>", "b
                "offs_ptr": "*i32", "tiles_ptr": "*i32", **i32("M", "N", "K", "G"),
                **i32(*[f"stride_{n}" for n in ("am", "ak", "bg", "bn", "bk", "cm", "cn", "asm", "ask", "bsg", "bsn",
                                                "bsk")])}
-for prefetch in (False, True):
-    for flatten in (False, True):
-        c = dict(B_BLOCKWISE=True, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, NUM_PROGRAMS=264, WS=False, SPLIT_K=1,
-                 PREFETCH=prefetch, FLATTEN=flatten)
-        print("dense  ", f"prefetch={prefetch:d} flatten={flatten:d}", "scf.for %d, regs %s, SASS %d, scf.if %d" %
-              build(gemm._fp8_gemm_tma_kernel, dense_sig, c, 4, 4, ("a_ptr", "b_ptr", "c_ptr", "K", "N",
-                                                                      "stride_am", "stride_bn", "stride_cm")), flush=True)
-        c = dict(BLOCK_M=64, BLOCK_N=128, NUM_PROGRAMS=396, STEPS=7, TMA=True, WS=False, EVEN_K=True,
-                 PREFETCH=prefetch, FLATTEN=flatten)
-        print("grouped", f"prefetch={prefetch:d} flatten={flatten:d}", "scf.for %d, regs %s, SASS %d, scf.if %d" %
-              build(grouped._grouped_gemm_kernel, grouped_sig, c, 4, 3, ("a_ptr", "b_ptr", "c_ptr", "K", "N")),
-              flush=True)
+if __name__ == "__main__":
+  for prefetch in (False, True):
+      for flatten in (False, True):
+          c = dict(B_BLOCKWISE=True, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, NUM_PROGRAMS=264, WS=False, SPLIT_K=1,
+                   PREFETCH=prefetch, FLATTEN=flatten)
+          print("dense  ", f"prefetch={prefetch:d} flatten={flatten:d}", "scf.for %d, regs %s, SASS %d, scf.if %d" %
+                build(gemm._fp8_gemm_tma_kernel, dense_sig, c, 4, 4, ("a_ptr", "b_ptr", "c_ptr", "K", "N",
+                                                                        "stride_am", "stride_bn", "stride_cm")), flush=True)
+          c = dict(BLOCK_M=64, BLOCK_N=128, NUM_PROGRAMS=396, STEPS=7, TMA=True, WS=False, EVEN_K=True,
+                   PREFETCH=prefetch, FLATTEN=flatten)
+          print("grouped", f"prefetch={prefetch:d} flatten={flatten:d}", "scf.for %d, regs %s, SASS %d, scf.if %d" %
+                build(grouped._grouped_gemm_kernel, grouped_sig, c, 4, 3, ("a_ptr", "b_ptr", "c_ptr", "K", "N")),
+                flush=True)
