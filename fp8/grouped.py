@@ -610,8 +610,8 @@ class GroupedConfig:
     small programs hide the gathered loads' latency; fusing the token-dim quantizers into the row quantizer or the
     SwiGLU backward measured 1.75-2.4x slower, docs/kernel_tuning.md), a block's feature chunks launched together
     except for the gathered tokens (H100 sweep, 2026-12-06). The forward/dgrad tiles load each K block's scales
-    during the previous block's product (1.01-1.03x on the e64 shapes on an H100; the wgrad's measured 0.92-0.98x
-    with it, so it stays off there: docs/kernel_tuning.md)."""
+    during the previous block's product (1.01-1.03x on the e64 shapes on an H100; the wgrad showed no gain with it,
+    0.92-1.02x over two timings of the same config, so it stays off there: docs/kernel_tuning.md)."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3,
                                                  prefetch_scales=True)  # fmt: skip

@@ -33,13 +33,13 @@ LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
 TOL = 4e-3  # bf16 output rounding (8 significant bits: ~1.1e-3 rms), as in test_fp8_gemm.py
 
 
-LOADS = ("tma", "tma_prefetch", "pointer")  # "tma_prefetch": prefetch_scales=True
+TMA_LOADS = ("tma", "tma_prefetch")  # "tma_prefetch": prefetch_scales=True; each compared with "pointer"
 # flatten=True, without and with prefetch_scales: compiled kernels only (the interpreter ignores tl.range's flatten)
 FLATTENED = ("tma_flatten", "tma_prefetch_flatten")
 
 
-def _loads(device: str) -> tuple[str, ...]:
-    return LOADS if device == "cpu" else LOADS + FLATTENED
+def _tma_loads(device: str) -> tuple[str, ...]:
+    return TMA_LOADS if device == "cpu" else TMA_LOADS + FLATTENED
 
 
 def _dense(device, m, n, k, loads, wgrad):
@@ -64,10 +64,10 @@ def _dense(device, m, n, k, loads, wgrad):
 def test_dense_tma_and_pointer_kernels_are_bit_identical(device, shape, wgrad, request):
     setup_device(device, request)
     outs = {}
-    for loads in _loads(device):
+    for loads in (*_tma_loads(device), "pointer"):
         outs[loads], ref = _dense(device, *shape, loads, wgrad)
     assert rel(outs["tma"], ref) < TOL
-    for loads in _loads(device):
+    for loads in _tma_loads(device):
         assert torch.equal(outs[loads].view(torch.int16), outs["pointer"].view(torch.int16)), loads
 
 
@@ -92,7 +92,7 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
     dyt = quantize_tokens_grouped(dy, rows, backend="triton")
     xt = quantize_tokens_grouped(data_rows(segs, rows.num_rows, 64, device, 3.0), rows, backend="triton")
     fwd, dw = {}, {}
-    for loads in _loads(device):
+    for loads in (*_tma_loads(device), "pointer"):
         fprop_cfg, wgrad_cfg = _grouped_cfg(device, loads, False), _grouped_cfg(device, loads, True)
         with GROUPED_TUNING.override(fprop=fprop_cfg, wgrad=wgrad_cfg, sm90_wgrad=None):  # the Triton kernels
             fwd[loads] = grouped_gemm(x_q, x_s, w_q, w_s, rows, out_dtype=torch.float32, backend="triton").cpu()
@@ -105,6 +105,6 @@ def test_grouped_tma_and_pointer_kernels_are_bit_identical(device, request):
         else:
             assert torch.equal(dw["tma"][e], torch.zeros(n, 64))  # an empty expert: exact zeros
     used = int(rows.offsets[-1])
-    for loads in _loads(device):
+    for loads in _tma_loads(device):
         assert torch.equal(fwd["pointer"][:used], fwd[loads][:used]), loads
         assert torch.equal(dw["pointer"], dw[loads]), loads
