@@ -18,7 +18,8 @@ and the slowest and fastest of those steps' tokens/s (the row's spread: a host s
 the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
 speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
 memory is an "OOM" row. `--profile V1,V2` runs those variants' last step under torch.profiler
-(`train.profile_step`, left out of the medians) and prints the grouped tables after the main one;
+(`train.profile_step`, left out of the medians) and prints the grouped tables after the main one, each followed
+(on a GPU) by how much of an unprofiled step the GPU works (its busy time against the timed steps' median);
 `--profile-python V` runs one step of those variants under cProfile (`train.profile_python_step`, the step before the
 torch-profiled one when both are asked) and prints the host-time tables. Not imported by
 the library (bench/bench_scaling.py reuses `summarize_run`).
@@ -165,6 +166,7 @@ def run_variant(spec: str, args, profile_step: int | None = None, python_step: i
     if profile_step:
         md = out_dir / "profile" / f"step{profile_step}.md"
         row["profile"] = (md, md.read_text())
+        row["profile_busy_ms"] = json.loads(md.with_suffix(".json").read_text()).get("busy_ms")
     if python_step:
         md = out_dir / "profile" / f"step{python_step}.python.md"
         row["python_profile"] = (md, md.read_text())
@@ -179,7 +181,9 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
     timed = [r for r in rows[warmup:] if r["step"] not in skip_steps] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
     speeds = [r["tokens_per_s"] for r in timed if r.get("tokens_per_s") is not None]
+    step_s = [r["step_time_s"] for r in timed if r.get("step_time_s") is not None]
     return {"tokens_per_s": statistics.median(speeds), "tokens_per_s_range": (min(speeds), max(speeds)),
+            "step_ms": statistics.median(step_s) * 1e3 if step_s else None,
             "tflops": med("tflops_per_gpu"),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
             "peak_mem_gib": max(r["peak_mem_gib"] for r in rows),
@@ -214,6 +218,18 @@ def table_rows(results: list[dict]) -> list[list[str]]:
                      f"{r['tflops']:.0f}", mfu, f"{r['peak_mem_gib']:.1f}", mem,
                      f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", spread])
     return rows
+
+
+def host_stall_line(row: dict) -> str | None:
+    """How much of an unprofiled step the GPU works: the profiled step's GPU busy time (the union of its device
+    intervals) over the timed steps' median step time. The profiled step's own wall time includes the profiler's
+    overhead, so it overstates the host's share; the unprofiled steps do not. None without a GPU profile."""
+    busy, step = row.get("profile_busy_ms"), row.get("step_ms")
+    if busy is None or not step:
+        return None
+    return (f"GPU busy {busy:,.1f} ms (the profiled step) against the unprofiled timed steps' median of "
+            f"{step:,.1f} ms: the GPU works {busy / step:.0%} of a step; the other {max(step - busy, 0.0):,.1f} ms "
+            "it waits for the host")
 
 
 def largest_vs_largest(results: list[dict]) -> list[str]:
@@ -320,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
             path, text = r["profile"]
             print(f"\n#### Profile of `{r['variant']}` ({path})\n")
             print(text)
+            stall = host_stall_line(r)
+            if stall:
+                print(stall)
         if "python_profile" in r:
             path, text = r["python_profile"]
             print(f"\n#### Host (Python) profile of `{r['variant']}` ({path})\n")

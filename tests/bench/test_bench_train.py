@@ -139,6 +139,20 @@ def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
     assert summary["tokens_per_s_range"] == (2.0, 4.0)  # their slowest and fastest
     assert summary["peak_mem_gib"] == 5.0 and summary["optim_state_gib"] == 0.5
     assert bench.summarize_run(tmp_path, warmup=1)["tokens_per_s"] == 3.5
+    assert summary["step_ms"] is None  # no step_time_s logged
+
+
+def test_the_host_stall_line_sets_the_profiled_gpu_time_against_the_unprofiled_steps(tmp_path):
+    bench = load_bench("bench_train")
+    lines = [{"step": s, "tokens_per_s": 1.0, "step_time_s": t, "tflops_per_gpu": 1.0, "peak_mem_gib": 1.0,
+              "loss": 1.0} for s, t in enumerate([9.0, 3.2, 3.0, 7.5], start=1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = bench.summarize_run(tmp_path, warmup=1, skip_steps=(4,))
+    assert summary["step_ms"] == pytest.approx(3100.0)  # median of steps 2 and 3: not the warm-up, not the profiled
+    line = bench.host_stall_line({**summary, "profile_busy_ms": 2790.0})
+    assert "2,790.0 ms" in line and "3,100.0 ms" in line and "90%" in line and "310.0 ms" in line
+    assert bench.host_stall_line({**summary, "profile_busy_ms": None}) is None  # a CPU profile has no busy time
+    assert bench.host_stall_line({"profile_busy_ms": 5.0}) is None  # no step times
 
 
 @pytest.mark.slow
@@ -165,6 +179,7 @@ def test_bench_train_runs_on_cpu_with_an_oom_row_and_the_profile_last(monkeypatc
     assert lo <= float(rows[0][3].replace(",", "")) <= hi
     profile = out[out.index("#### Profile of `fp8_nomtp`"):]
     assert "Where optimizer step 3 spends its time" in profile and "| optimizer (DeepSpeed step) |" in profile
+    assert "the GPU works" not in profile  # no GPU: no busy time to set against the steps
 
 
 def test_profile_must_name_one_of_the_variants():
