@@ -203,7 +203,8 @@ def bench_parts(config: ModelConfig, args, clock: Clock, dtype: torch.dtype) -> 
 
 
 # ------------------------------------------------------------------ profile
-def profile_table(config: ModelConfig, args, clock: Clock, dtype: torch.dtype, steps: int = 2) -> list[list[str]]:
+def profile_table(config: ModelConfig, args, clock: Clock, dtype: torch.dtype, steps: int = 2) -> str:
+    """The grouped profile table (markdown) of `steps` steps of the model after the warm-up."""
     model = build_model(config, clock.device, dtype)
     batch = make_batch(config.vocab_size, args.micro, args.seq_len, args.doc_len, clock.device)
     step = model_step(model, batch, {}, True)
@@ -212,9 +213,9 @@ def profile_table(config: ModelConfig, args, clock: Clock, dtype: torch.dtype, s
     with profiled(clock.device) as result:
         for _ in range(steps):
             step()
-    rows = summarize(result["profile"].events(), steps, clock.device.type == "cuda").part_rows()
+    summary = summarize(result["profile"].events(), steps, clock.device.type == "cuda")
     del model, step
-    return rows
+    return markdown(summary.part_header(), summary.part_rows())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,10 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.loss_only:
             return
     if not args.no_profile:
-        rows = profile_table(configs[models[0]], args, clock, dtype)
+        table = profile_table(configs[models[0]], args, clock, dtype)
         unit = "GPU ms" if device.type == "cuda" else "CPU self ms"
         print(f"\n### Where one `fast` step of {models[0]} spends its time ({unit} per step)\n")
-        print(markdown(["part", unit, "share", f"top kernels ({unit})"], rows), flush=True)
+        print(table, flush=True)
 
     results = []
     for m in models:

@@ -26,7 +26,7 @@ import logging
 import pstats
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,10 +81,11 @@ def attribute(events, cuda: bool) -> dict[str, dict[str, float]]:
     return attribute_each(events, (cuda,))[0]
 
 
-def attribute_each(events, kinds: tuple[bool, ...]) -> list[dict[str, dict[str, float]]]:
-    """`attribute(events, cuda)` for each `cuda` in `kinds`, in one pass over the events (each event's part is
-    resolved once): e.g. (True, False) → [kernel time by part, the ops' host self time by part]."""
-    events = sorted(events, key=lambda e: e.time_range.start)
+def _part_resolver(events) -> Callable[[Any], str | None]:
+    """The part of each op of `events` (sorted by start): its innermost range's; a backward op's, the part of the
+    forward op that created its autograd node (same thread and sequence number), AccumulateGrad's the gradient
+    reduction's; an op outside any range that runs on another thread while a `grad_reduce` range is open, the
+    gradient reduction's; None for an op outside every range otherwise (the caller's "other")."""
     forward_part, reduce_ranges = {}, []
     for e in events:
         if e.name == GRAD_REDUCE_SCOPE:
@@ -99,6 +100,24 @@ def attribute_each(events, kinds: tuple[bool, ...]) -> list[dict[str, dict[str, 
     def in_reduce(e) -> bool:  # outside any range on its thread, inside engine.backward() in time
         return any(s <= e.time_range.start and e.time_range.end <= t and e.thread != th for s, t, th in reduce_ranges)
 
+    def part_of(e) -> str | None:
+        part, node = _scope_of(e)
+        if node is not None:
+            return (GRAD_REDUCE if node.name.endswith(ACCUMULATE_GRAD)
+                    else forward_part.get((node.fwd_thread, node.sequence_nr)) or OTHER)
+        if part is None and in_reduce(_root(e)):
+            return GRAD_REDUCE
+        return part
+
+    return part_of
+
+
+def attribute_each(events, kinds: tuple[bool, ...]) -> list[dict[str, dict[str, float]]]:
+    """`attribute(events, cuda)` for each `cuda` in `kinds`, in one pass over the events (each event's part is
+    resolved once): e.g. (True, False) → [kernel time by part, the ops' host self time by part]."""
+    events = sorted(events, key=lambda e: e.time_range.start)
+    part_of = _part_resolver(events)
+
     def items(e, cuda: bool) -> list[tuple[str, float]]:
         if cuda:
             return [(k.name, k.duration) for k in e.kernels]
@@ -109,16 +128,39 @@ def attribute_each(events, kinds: tuple[bool, ...]) -> list[dict[str, dict[str, 
         found = [items(e, cuda) for cuda in kinds]
         if not any(found):
             continue
-        part, node = _scope_of(e)
-        if node is not None:
-            part = (GRAD_REDUCE if node.name.endswith(ACCUMULATE_GRAD)
-                    else forward_part.get((node.fwd_thread, node.sequence_nr)) or OTHER)
-        elif part is None:
-            part = GRAD_REDUCE if in_reduce(_root(e)) else OTHER
+        part = part_of(e) or OTHER
         for parts, pairs in zip(results, found):
             for name, us in pairs:
                 parts[part][name] += us
     return results
+
+
+def _device_spans(events) -> list:
+    """The device-side events (kernels, copies, memsets on any stream), by start. The profiler also projects every
+    record_function range onto the GPU timeline (`gpu_user_annotation`, device type CUDA, `is_user_annotation`):
+    those spans cover idle gaps and are left out (as torch's own device-time totals do)."""
+    return sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)), key=lambda e: e.time_range.start)
+
+
+def idle_before_us(events) -> dict[str, float]:
+    """Where the GPU waits for the host: every gap in the union of the device intervals, µs, goes to the part of the
+    op that launched the kernel (or copy) ending it — the work the GPU was waiting for. A device event names its
+    op by `linked_correlation_id` (the op's `id`, as torch.profiler pairs them to list an op's `kernels`). The time
+    before the first device event and after the last is not a gap. Under the profiler the host runs slower than
+    without it, so the gaps are larger than in an unprofiled step; their split by part says where the host falls
+    behind."""
+    events = sorted(events, key=lambda e: e.time_range.start)
+    part_of = _part_resolver(events)
+    launcher = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.kernels}
+    idle: dict[str, float] = defaultdict(float)
+    end = None
+    for d in _device_spans(events):
+        if end is not None and d.time_range.start > end:
+            op = launcher.get(d.linked_correlation_id)
+            idle[(part_of(op) if op is not None else None) or OTHER] += d.time_range.start - end
+        end = d.time_range.end if end is None else max(end, d.time_range.end)
+    return dict(idle)
 
 
 def _root(event):
@@ -128,14 +170,10 @@ def _root(event):
 
 
 def busy_us(events) -> float:
-    """Length of the union of all device-side intervals (kernels, copies, memsets on any stream), µs. The
-    profiler also projects every record_function range onto the GPU timeline (`gpu_user_annotation`, device
-    type CUDA, `is_user_annotation`): those spans cover idle gaps and are left out (as torch's own device-time
-    totals do)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    """Length of the union of all device-side intervals (`_device_spans`), µs."""
     total, end = 0.0, float("-inf")
-    for s, t in spans:
+    for d in _device_spans(events):
+        s, t = d.time_range.start, d.time_range.end
         if t > end:
             total += t - max(s, end)
             end = t
@@ -153,6 +191,12 @@ class ProfileSummary:
     wall_ms: float | None = None  # per step
     busy_ms: float | None = None
     host_parts: dict[str, dict[str, float]] | None = None  # CUDA only: the ops' CPU self time per part, µs
+    idle_parts: dict[str, float] | None = None  # CUDA only: GPU idle gaps by the part they wait for, µs
+
+    @property
+    def idle_ms(self) -> float | None:
+        """The GPU's idle gaps inside the step (`idle_before_us`), per step."""
+        return None if self.idle_parts is None else sum(self.idle_parts.values()) / self.steps / 1e3
 
     @property
     def host_ms(self) -> float | None:
@@ -173,7 +217,8 @@ class ProfileSummary:
         total = self.total_ms or 1.0
         out = []
         host = self.host_parts
-        names = set(self.parts) | set(host or ())
+        idle = self.idle_parts
+        names = set(self.parts) | set(host or ()) | set(idle or ())
         for part in sorted(names, key=lambda p: (-sum(self.parts.get(p, {}).values()), p)):
             kernels = self.parts.get(part, {})
             ms = sum(kernels.values()) / self.steps / 1e3
@@ -182,6 +227,8 @@ class ProfileSummary:
                    "top": [{"kernel": n, "ms": us / self.steps / 1e3} for n, us in best]}
             if host is not None:
                 row["host_ms"] = sum(host.get(part, {}).values()) / self.steps / 1e3
+            if idle is not None:
+                row["idle_ms"] = idle.get(part, 0.0) / self.steps / 1e3
             out.append(row)
         return out
 
@@ -201,27 +248,39 @@ class ProfileSummary:
 
     def to_dict(self, top_parts: int = 3, top_overall: int = 15) -> dict[str, Any]:
         return {"unit": self.unit, "steps": self.steps, "total_ms": self.total_ms, "wall_ms": self.wall_ms,
-                "busy_ms": self.busy_ms, "host_ms": self.host_ms,
+                "busy_ms": self.busy_ms, "host_ms": self.host_ms, "idle_ms": self.idle_ms,
                 "busy_over_wall": self.busy_ms / self.wall_ms if self.busy_ms is not None and self.wall_ms else None,
                 "parts": self.grouped(top_parts), "top_kernels": self.top_kernels(top_overall)}
 
+    def part_header(self) -> list[str]:
+        """The grouped table's header, matching `part_rows`: part, time, share, (on CUDA) the ops' host time and
+        the GPU's idle gaps before the part's work, top kernels."""
+        unit = self.unit
+        host = ["host ms (ops' CPU self time)"] if self.host_parts is not None else []
+        idle = ["GPU idle before ms"] if self.idle_parts is not None else []
+        return ["part", unit, "share", *host, *idle, f"top kernels ({unit})"]
+
     def part_rows(self, top: int = 3) -> list[list[str]]:
         """The grouped table's rows (part, ms, share, top kernels) and a total row."""
-        host = self.host_parts is not None
+        host, idle = self.host_parts is not None, self.idle_parts is not None
         rows = [[g["part"], f"{g['ms']:.1f}", f"{g['share']:.0%}", *([f"{g['host_ms']:.1f}"] if host else []),
+                 *([f"{g['idle_ms']:.1f}"] if idle else []),
                  "; ".join(f"{_short(k['kernel'])} {k['ms']:.1f}" for k in g["top"])] for g in self.grouped(top)]
-        return rows + [["**total**", f"{self.total_ms:.1f}", "100%", *([f"{self.host_ms:.1f}"] if host else []), ""]]
+        return rows + [["**total**", f"{self.total_ms:.1f}", "100%", *([f"{self.host_ms:.1f}"] if host else []),
+                        *([f"{self.idle_ms:.1f}"] if idle else []), ""]]
 
     def markdown(self, title: str, top_overall: int = 15) -> str:
         """The grouped table, GPU busy vs wall, the top kernels overall."""
         unit = self.unit
-        host = ["host ms (ops' CPU self time)"] if self.host_parts is not None else []
-        lines = [f"### {title} ({unit} per step)", "",
-                 markdown(["part", unit, "share", *host, f"top kernels ({unit})"], self.part_rows()), ""]
+        lines = [f"### {title} ({unit} per step)", "", markdown(self.part_header(), self.part_rows()), ""]
         if self.busy_ms is not None and self.wall_ms:
             lines += [f"GPU busy {self.busy_ms:.1f} ms of {self.wall_ms:.1f} ms wall per step "
                       f"({self.busy_ms / self.wall_ms:.0%}; the union of all device intervals; the wall time "
                       "includes the profiler's own overhead)", ""]
+        if self.idle_ms is not None:
+            lines += [f"GPU idle before: the gaps between device work ({self.idle_ms:.1f} ms in all), each counted to "
+                      "the part whose kernel ends it (what the GPU waited for); the profiler slows the host, so the "
+                      "gaps are larger than in an unprofiled step", ""]
         if self.host_ms is not None and self.wall_ms:
             lines += [f"Host: the ops' CPU self time is {self.host_ms:.1f} ms of the {self.wall_ms:.1f} ms wall; the "
                       "rest is Python and framework time between ops, waits, and the profiler's overhead", ""]
@@ -240,7 +299,8 @@ def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> Pr
     return ProfileSummary(parts[0], steps, cuda,
                           wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
                           busy_ms=busy_us(events) / steps / 1e3 if cuda else None,
-                          host_parts=parts[1] if cuda else None)
+                          host_parts=parts[1] if cuda else None,
+                          idle_parts=idle_before_us(events) if cuda else None)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from ling.analysis.profiling import GRAD_REDUCE, PART_OF_SCOPE, attribute, busy_us, host_group, summarize
+from ling.analysis.profiling import (
+    GRAD_REDUCE,
+    PART_OF_SCOPE,
+    attribute,
+    busy_us,
+    host_group,
+    idle_before_us,
+    summarize,
+)
 from ling.train.engine import build_engine
 from ling.train.trainer import train
 from tests.helpers import CONF
@@ -99,6 +107,10 @@ def test_profiled_step_on_gpu_groups_kernels_and_measures_busy_time(tmp_path, pr
                  "attention (QK-norm, RoPE, SDPA/flex)", "router", "dispatch"):
         assert parts.get(part, 0) > 0, (part, parts)
     assert "GPU busy" in (folder / "step2.md").read_text()
+    # the idle gaps lie inside the step, between device work: no more than its wall time less the busy time
+    idle = {p["part"]: p["idle_ms"] for p in data["parts"]}
+    assert 0 <= data["idle_ms"] <= data["wall_ms"] - data["busy_ms"] + 1e-6
+    assert sum(idle.values()) == pytest.approx(data["idle_ms"], rel=1e-9, abs=1e-9)
 
 
 def test_optimizer_state_of_fp8_adamw_is_the_hand_computed_size(tmp_path):
@@ -190,6 +202,8 @@ class Event:
     kernels: list = field(default_factory=list)
     device: str = "cpu"
     is_user_annotation: bool = False
+    id: int = 0
+    linked_correlation_id: int = 0  # a device event: the id of the op that launched it
 
     def __post_init__(self):
         self.time_range, self.cpu_parent, self.fwd_thread = Span(self.start, self.end), self.parent, 1
@@ -210,15 +224,18 @@ def test_cuda_kernels_go_to_their_forward_part_grad_reduction_and_other():
     reduce = Event("grad_reduce", 20, 40)
     node = Event("autograd::engine::evaluate_function: MmBackward0", 21, 25, parent=reduce, sequence_nr=7)
     inner = Event("MmBackward0", 21, 25, parent=node, sequence_nr=7)
-    bwd = Event("aten::mm", 21, 22, parent=inner, kernels=[Kernel("gemm_dgrad", 6.0), Kernel("gemm_wgrad", 4.0)])
+    bwd = Event("aten::mm", 21, 22, parent=inner, kernels=[Kernel("gemm_dgrad", 6.0), Kernel("gemm_wgrad", 4.0)],
+                id=101)
     acc = Event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 26, 27, thread=2)
     acc_op = Event("aten::add_", 26, 27, thread=2, parent=acc, kernels=[Kernel("add", 1.5)])
-    hook = Event("aten::copy_", 28, 29, thread=2, kernels=[Kernel("copy_bucket", 2.0)])
+    hook = Event("aten::copy_", 28, 29, thread=2, kernels=[Kernel("copy_bucket", 2.0)], id=102)
     late = Event("aten::copy_", 41, 42, thread=2, kernels=[Kernel("copy_late", 0.5)])
     opt = Event("optimizer", 50, 60)
     step = Event("aten::_fused_adamw_", 51, 52, parent=opt, kernels=[Kernel("adam", 3.0)])
-    # device intervals: [0,5] and [3,8] overlap (8 µs busy), [20,26] alone (6 µs)
-    gpu = [Event("k", s, e, device="cuda") for s, e in ((0, 5), (3, 8), (20, 26))]
+    # device intervals: [0,5] and [3,8] overlap (8 µs busy), [20,26] (6 µs, launched by the backward's mm),
+    # [30,31] (by the hook), [35,36] (by no op the profile holds); the gaps before them 12, 4 and 4 µs
+    gpu = [Event("k", s, e, device="cuda", linked_correlation_id=op)
+           for s, e, op in ((0, 5, 0), (3, 8, 0), (20, 26, 101), (30, 31, 102), (35, 36, 999))]
     # a record_function range as the profiler projects it onto the GPU timeline: not device work
     gpu.append(Event("experts", 0, 40, device="cuda", is_user_annotation=True))
     events = [experts, fwd, launch_fwd, reduce, node, inner, bwd, acc, acc_op, hook, late, opt, step, *gpu,
@@ -232,13 +249,20 @@ def test_cuda_kernels_go_to_their_forward_part_grad_reduction_and_other():
         "other": {"copy_late": 0.5},
         "optimizer (DeepSpeed step)": {"adam": 3.0},
     }
-    assert busy_us(events) == 14.0
+    assert busy_us(events) == 16.0
+    # each gap goes to the part of the op whose device work ends it (the backward mm's forward part, the hook's)
+    assert idle_before_us(events) == {"experts": 12.0, GRAD_REDUCE: 4.0, "other": 4.0}
     summary = summarize(events, steps=2, cuda=True, wall_s=40e-6)
-    assert summary.total_ms == pytest.approx(22.25 / 2 / 1e3) and summary.busy_ms == pytest.approx(7e-3)
+    assert summary.total_ms == pytest.approx(22.25 / 2 / 1e3) and summary.busy_ms == pytest.approx(8e-3)
     data = summary.to_dict()
-    assert data["busy_over_wall"] == pytest.approx(14 / 40)
+    assert data["busy_over_wall"] == pytest.approx(16 / 40)
+    assert data["idle_ms"] == pytest.approx(20 / 2 / 1e3)
+    assert {g["part"]: g["idle_ms"] for g in data["parts"]}["experts"] == pytest.approx(12 / 2 / 1e3)
+    assert {g["part"]: g["idle_ms"] for g in data["parts"]}["dispatch"] == 0.0
     assert [k["kernel"] for k in data["top_kernels"][:2]] == ["gemm_dgrad", "gemm_fwd"]
-    assert "GPU busy 0.0 ms of 0.0 ms wall per step (35%" in summary.markdown("t")
+    assert "GPU busy 0.0 ms of 0.0 ms wall per step (40%" in summary.markdown("t")
+    assert "| GPU idle before ms |" in summary.markdown("t")
+    assert {len(row) for row in summary.part_rows()} == {len(summary.part_header())} == {6}  # bench_model's table too
     # host: each CPU op's self time (here its span) goes to the same part as its kernels; totals 12 µs / 2 steps
     assert {p: dict(k) for p, k in summary.host_parts.items()} == {
         "experts": {"aten::mm": 2.0, "cudaLaunchKernel": 1.0, "MmBackward0": 4.0}, "dispatch": {"aten::index": 1.0},
