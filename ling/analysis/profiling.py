@@ -112,11 +112,18 @@ def _part_resolver(events) -> Callable[[Any], str | None]:
     return part_of
 
 
-def attribute_each(events, kinds: tuple[bool, ...]) -> list[dict[str, dict[str, float]]]:
+def _by_start(events) -> list:
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def attribute_each(events, kinds: tuple[bool, ...], part_of: Callable[[Any], str | None] | None = None
+                   ) -> list[dict[str, dict[str, float]]]:  # fmt: skip
     """`attribute(events, cuda)` for each `cuda` in `kinds`, in one pass over the events (each event's part is
-    resolved once): e.g. (True, False) → [kernel time by part, the ops' host self time by part]."""
-    events = sorted(events, key=lambda e: e.time_range.start)
-    part_of = _part_resolver(events)
+    resolved once): e.g. (True, False) → [kernel time by part, the ops' host self time by part]. `part_of`: the
+    `_part_resolver` of these events, when the caller has built it already (then `events` must be sorted by start)."""
+    if part_of is None:
+        events = _by_start(events)
+        part_of = _part_resolver(events)
 
     def items(e, cuda: bool) -> list[tuple[str, float]]:
         if cuda:
@@ -143,15 +150,16 @@ def _device_spans(events) -> list:
                    and not getattr(e, "is_user_annotation", False)), key=lambda e: e.time_range.start)
 
 
-def idle_before_us(events) -> dict[str, float]:
+def idle_before_us(events, part_of: Callable[[Any], str | None] | None = None) -> dict[str, float]:
     """Where the GPU waits for the host: every gap in the union of the device intervals, µs, goes to the part of the
     op that launched the kernel (or copy) ending it — the work the GPU was waiting for. A device event names its
     op by `linked_correlation_id` (the op's `id`, as torch.profiler pairs them to list an op's `kernels`). The time
     before the first device event and after the last is not a gap. Under the profiler the host runs slower than
     without it, so the gaps are larger than in an unprofiled step; their split by part says where the host falls
-    behind."""
-    events = sorted(events, key=lambda e: e.time_range.start)
-    part_of = _part_resolver(events)
+    behind. `part_of`: as in `attribute_each`."""
+    if part_of is None:
+        events = _by_start(events)
+        part_of = _part_resolver(events)
     launcher = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.kernels}
     idle: dict[str, float] = defaultdict(float)
     end = None
@@ -294,13 +302,14 @@ class ProfileSummary:
 
 def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> ProfileSummary:
     """Profiler events of `steps` steps → ProfileSummary (wall time `wall_s` over all of them, if measured)."""
-    events = list(events)
-    parts = attribute_each(events, (True, False) if cuda else (False,))
+    events = _by_start(events)
+    part_of = _part_resolver(events)  # once, for the kernels, the host time and the idle gaps
+    parts = attribute_each(events, (True, False) if cuda else (False,), part_of)
     return ProfileSummary(parts[0], steps, cuda,
                           wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
                           busy_ms=busy_us(events) / steps / 1e3 if cuda else None,
                           host_parts=parts[1] if cuda else None,
-                          idle_parts=idle_before_us(events) if cuda else None)
+                          idle_parts=idle_before_us(events, part_of) if cuda else None)
 
 
 @contextlib.contextmanager
