@@ -93,8 +93,8 @@ class GemmConfig:
 FPROP_CONFIG = GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4, tma=True, persistent=True,
                           programs_per_sm=2)  # fmt: skip
 # With a 16-bit output (the weight's dtype in bf16 training) the same tiles, loading each K block's scales during the
-# previous block's product: B's scales are a vector per K block here (1x128 along the tokens), and the prefetch ran
-# the wgrad of every Ling shape 1.06-1.15x faster on an H100, the forward and dgrad 0.94-1.02x (docs/kernel_tuning.md)
+# previous block's product: B's scales are a vector per K block here (1x128 along the tokens), where the prefetch
+# measured faster; the forward and dgrad gained nothing from it (docs/kernel_tuning.md)
 WGRAD_CONFIG = dataclasses.replace(FPROP_CONFIG, prefetch_scales=True)
 # An fp32 output tile doubles the epilogue's shared memory, so two programs no longer fit on an SM (the 64x128
 # tiles then ran the wgrad at 363-395 TFLOPS): 128x128 tiles, warp specialization, 3 stages (635-660).

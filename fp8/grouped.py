@@ -589,8 +589,8 @@ class GroupedGemmConfig:
     # the same bits); on in GroupedConfig's forward/dgrad tiles, where it measured faster
     prefetch_scales: bool = False
     # forward/dgrad with TMA: flatten the persistent tile loop and the K loop into one (`tl.range(flatten=True)`),
-    # so the pipeliner loads the next tile's first K blocks during this tile's store; the same bits; off: 0.79-0.83x
-    # on the e64 shapes (docs/kernel_tuning.md). The wgrad ignores it: its token loop's length varies by expert,
+    # so the pipeliner loads the next tile's first K blocks during this tile's store; the same bits; off: slower on
+    # the e64 shapes (docs/kernel_tuning.md). The wgrad ignores it: its token loop's length varies by expert,
     # which Triton does not fuse
     flatten: bool = False
 
@@ -610,8 +610,8 @@ class GroupedConfig:
     small programs hide the gathered loads' latency; fusing the token-dim quantizers into the row quantizer or the
     SwiGLU backward measured 1.75-2.4x slower, docs/kernel_tuning.md), a block's feature chunks launched together
     except for the gathered tokens (H100 sweep, 2026-12-06). The forward/dgrad tiles load each K block's scales
-    during the previous block's product (1.01-1.03x on the e64 shapes on an H100; the wgrad showed no gain with it,
-    0.92-1.02x over two timings of the same config, so it stays off there: docs/kernel_tuning.md)."""
+    during the previous block's product, where it measured faster; the wgrad showed no gain with it, so it stays
+    off there (docs/kernel_tuning.md)."""
 
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3,
                                                  prefetch_scales=True)  # fmt: skip

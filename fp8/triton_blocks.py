@@ -80,11 +80,9 @@ if HAS_TRITON:
           v − q·scale the zero would be +0 and v = −0 would give +0);
         - an infinite scale enters the residual as 0 (and r = 1/Inf = 0, −r = −0): q = v·0 and the result is
           (−v)·(−0) + q, ±0 with v's sign for a finite v and NaN for an infinite one, as v / Inf.
-        An infinite v with a finite scale lies outside the domain (it gives NaN, not ±Inf). The previous form kept q
-        through a select on (residual == 0 or NaN); the compiler spilled those per-value predicates into packed bit
-        fields; with this form and `scale_from_amax_tl`'s the quantizer kernels have 23–28 % fewer instructions and
-        16–28 % fewer registers (ptxas for sm_90, docs/kernel_tuning.md). tests/fp8/test_division.py checks it
-        against IEEE division."""
+        An infinite v with a finite scale lies outside the domain (it gives NaN, not ±Inf). No per-value select: the
+        compiler spilled a select's predicates (why, and the instruction counts: docs/kernel_tuning.md).
+        tests/fp8/test_division.py checks it against IEEE division."""
         # the negations multiply by -1: Triton 3.6 (the GPU's) lowers a float's unary minus to 0 − x, which maps +0
         # to +0 (3.9 and the interpreter negate); a sign lost there made −0 / s come out +0 on the GPU only
         q = v * reciprocal
@@ -124,6 +122,11 @@ if HAS_TRITON:
             return acc + (part * sa[:, None]) * sb[None, :]
 
     @triton.jit
+    def _block_product(a_desc, b_desc, off_a, off_b, col):
+        """dot(A[off_a : +BM, col : +128], B[off_b : +BN, col : +128]ᵀ) into a fresh fp32 accumulator."""
+        return tl.dot(a_desc.load([off_a, col]), tl.trans(b_desc.load([off_b, col])))
+
+    @triton.jit
     def tma_k_loop(acc, a_desc, b_desc, off_a, off_b, col0, num_kb, as_ptrs, stride_as, bs_ptrs, stride_bs,
                    SB_SCALAR: tl.constexpr, WS: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
         """acc + Σ_kb dot(A block kb, B block kb)·sa_kb·sb_kb over num_kb K blocks of 128 columns, block kb at
@@ -146,13 +149,13 @@ if HAS_TRITON:
                 following = tl.minimum(kb + 1, num_kb - 1)  # the last block reloads its own scales
                 sa_next = tl.load(as_ptrs + following * stride_as)
                 sb_next = tl.load(bs_ptrs + following * stride_bs)
-                part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))
+                part = _block_product(a_desc, b_desc, off_a, off_b, col0 + kb * 128)
                 acc = promote(acc, part, sa, sb, SB_SCALAR)
                 sa = sa_next
                 sb = sb_next
         else:
             for kb in tl.range(0, num_kb, warp_specialize=WS):
-                part = tl.dot(a_desc.load([off_a, col0 + kb * 128]), tl.trans(b_desc.load([off_b, col0 + kb * 128])))
+                part = _block_product(a_desc, b_desc, off_a, off_b, col0 + kb * 128)
                 acc = promote(acc, part, tl.load(as_ptrs + kb * stride_as), tl.load(bs_ptrs + kb * stride_bs),
                               SB_SCALAR)  # fmt: skip
         return acc
