@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ling.analysis.profiling import markdown, profiled, summarize  # noqa: E402
+from ling.analysis.profiling import device_links, markdown, profiled, summarize  # noqa: E402
 from ling.train.metrics import flops_per_token  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.layers import attend, document_block_mask, document_causal_mask, reference_attention  # noqa: E402
@@ -213,7 +213,8 @@ def profile_table(config: ModelConfig, args, clock: Clock, dtype: torch.dtype, s
     with profiled(clock.device) as result:
         for _ in range(steps):
             step()
-    summary = summarize(result["profile"].events(), steps, clock.device.type == "cuda")
+    summary = summarize(result["profile"].events(), steps, clock.device.type == "cuda",
+                        links=device_links(result["profile"]))
     del model, step
     return markdown(summary.part_header(), summary.part_rows())
 

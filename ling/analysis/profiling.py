@@ -150,22 +150,41 @@ def _device_spans(events) -> list:
                    and not getattr(e, "is_user_annotation", False)), key=lambda e: e.time_range.start)
 
 
-def idle_before_us(events, part_of: Callable[[Any], str | None] | None = None) -> dict[str, float]:
+def device_links(prof) -> dict[int, int]:
+    """{device event id: id of the op that launched it} from a finished profiler's raw (Kineto) events, the pairing
+    torch.profiler uses to list an op's `kernels`. torch 2.13's `FunctionEvent` keeps it (`linked_correlation_id`);
+    2.11's drops it, so `idle_before_us` takes it from here. Empty when the profiler holds no raw events."""
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        return {}
+    cpu = torch.autograd.DeviceType.CPU
+    return {e.correlation_id(): e.linked_correlation_id() for e in results.events()
+            if e.device_type() != cpu and e.linked_correlation_id() > 0}  # fmt: skip
+
+
+def idle_before_us(events, part_of: Callable[[Any], str | None] | None = None,
+                   links: dict[int, int] | None = None) -> dict[str, float]:  # fmt: skip
     """Where the GPU waits for the host: every gap in the union of the device intervals, µs, goes to the part of the
     op that launched the kernel (or copy) ending it — the work the GPU was waiting for. A device event names its
-    op by `linked_correlation_id` (the op's `id`, as torch.profiler pairs them to list an op's `kernels`). The time
-    before the first device event and after the last is not a gap. Under the profiler the host runs slower than
-    without it, so the gaps are larger than in an unprofiled step; their split by part says where the host falls
-    behind. `part_of`: as in `attribute_each`."""
+    op through `links` ({device event id: op id}, `device_links`), else through its own `linked_correlation_id`
+    (torch 2.13's events carry it): the op's `id`, as torch.profiler pairs them to list an op's `kernels`. The
+    time before the first device event and after the last is not a gap. Under the profiler the host runs slower
+    than without it, so the gaps are larger than in an unprofiled step; their split by part says where the host
+    falls behind. `part_of`: as in `attribute_each`."""
     if part_of is None:
         events = _by_start(events)
         part_of = _part_resolver(events)
     launcher = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.kernels}
+    if links is None:
+        link = lambda d: getattr(d, "linked_correlation_id", 0)  # noqa: E731
+    else:
+        link = lambda d: links.get(d.id, 0)  # noqa: E731
     idle: dict[str, float] = defaultdict(float)
     end = None
     for d in _device_spans(events):
         if end is not None and d.time_range.start > end:
-            op = launcher.get(d.linked_correlation_id)
+            op_id = link(d)  # 0: linked to no op
+            op = launcher.get(op_id) if op_id > 0 else None
             idle[(part_of(op) if op is not None else None) or OTHER] += d.time_range.start - end
         end = d.time_range.end if end is None else max(end, d.time_range.end)
     return dict(idle)
@@ -300,8 +319,10 @@ class ProfileSummary:
         return "\n".join(lines) + "\n"
 
 
-def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> ProfileSummary:
-    """Profiler events of `steps` steps → ProfileSummary (wall time `wall_s` over all of them, if measured)."""
+def summarize(events, steps: int, cuda: bool, wall_s: float | None = None,
+              links: dict[int, int] | None = None) -> ProfileSummary:  # fmt: skip
+    """Profiler events of `steps` steps → ProfileSummary (wall time `wall_s` over all of them, if measured; `links`:
+    the device events' launching ops, `device_links` of the profiler, for the idle gaps)."""
     events = _by_start(events)
     part_of = _part_resolver(events)  # once, for the kernels, the host time and the idle gaps
     parts = attribute_each(events, (True, False) if cuda else (False,), part_of)
@@ -309,7 +330,7 @@ def summarize(events, steps: int, cuda: bool, wall_s: float | None = None) -> Pr
                           wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
                           busy_ms=busy_us(events) / steps / 1e3 if cuda else None,
                           host_parts=parts[1] if cuda else None,
-                          idle_parts=idle_before_us(events, part_of) if cuda else None)
+                          idle_parts=idle_before_us(events, part_of, links) if cuda else None)
 
 
 @contextlib.contextmanager
@@ -394,7 +415,7 @@ class StepProfiler:
             log.info("python profile of step %d: %s (%.2f s wall)", n, md, wall_s)
 
     def _write(self, n: int, prof, wall_s: float) -> None:
-        summary = summarize(prof.events(), 1, self.device.type == "cuda", wall_s)
+        summary = summarize(prof.events(), 1, self.device.type == "cuda", wall_s, device_links(prof))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         md, js = self.out_dir / f"step{n}.md", self.out_dir / f"step{n}.json"
         text = summary.markdown(f"Where optimizer step {n} spends its time")
