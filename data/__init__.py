@@ -4,6 +4,6 @@ Every loader follows the `BatchLoader` protocol in `data.loader`; `build_loader`
 `data` config group (`name` key).
 """
 
-from data.loader import BatchLoader, build_loader, build_loaders
+from data.loader import BatchLoader, batch_to_device, build_loader, build_loaders
 
-__all__ = ["BatchLoader", "build_loader", "build_loaders"]
+__all__ = ["BatchLoader", "batch_to_device", "build_loader", "build_loaders"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from data import build_loader
+from data import batch_to_device, build_loader
 from fp8.linear import ABLATION_COMPONENTS, EMULATED
 from ling.analysis.step_error import format_step_errors, step_errors
 from ling.checkpoint.hf import load_hf_checkpoint, read_hf_config
@@ -86,7 +86,7 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], de
         for batch in batches:
             if max_batches is not None and n_batches >= max_batches:
                 break
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            batch = batch_to_device(batch, device)
             labels = batch["labels"]
             out = model(batch["input_ids"], labels=labels, doc_ids=batch.get("doc_ids"), **kwargs)
             if out.logits is None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data import build_loaders
+from data import batch_to_device, build_loaders
 from fp8.monitor import FP8Monitor, MonitorConfig
 from ling.analysis.evaluate import evaluate
 from ling.analysis.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
@@ -363,7 +363,7 @@ class Trainer:
         # loss, lm, mtp, z; one stop flag per STOP_SIGNALS; "my checkpoint write is done" (NCCL: on GPU)
         sums = torch.zeros(4 + len(STOP_SIGNALS) + 1, dtype=torch.float64, device=device)
         for _ in range(self.accum):
-            batch = {k: v.to(device, non_blocking=True) for k, v in self.loader.next_batch().items()}
+            batch = batch_to_device(self.loader.next_batch(), device)  # queued: no wait for the GPU
             out = engine(batch["input_ids"], labels=batch["labels"], doc_ids=batch.get("doc_ids"))
             loss = self.guard.loss_for_backward(out.loss, step)  # = out.loss when finite, else NaN
             with scope(GRAD_REDUCE_SCOPE):  # profiler ranges (no-ops unless profiling): DeepSpeed's backward hooks
