@@ -27,7 +27,7 @@ class BatchLoader(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
     """A loader's micro-batch (CPU tensors) on `device`, without making the host wait for the GPU.
 
     A copy from pageable host memory to a CUDA device first synchronises the stream (CUDA's documented behaviour
@@ -35,6 +35,7 @@ def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> 
     already queued, the whole backward of the previous micro-batch, and start each forward with no lead over the
     GPU. Staged through page-locked memory (PyTorch's caching host allocator, which keeps the staging buffer until
     the copy has run) the copy is queued like a kernel. On other devices: `tensor.to(device)`."""
+    device = torch.device(device)
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
     return {k: v.pin_memory().to(device, non_blocking=True) if not v.is_cuda else v.to(device)

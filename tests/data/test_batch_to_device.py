@@ -20,10 +20,11 @@ def _batch(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 def test_a_batch_reaches_the_cpu_device_unchanged():
     batch = _batch(torch.Generator().manual_seed(0))
-    moved = batch_to_device(batch, torch.device("cpu"))
-    assert moved.keys() == batch.keys()
-    for k, v in batch.items():
-        assert moved[k].device.type == "cpu" and moved[k].dtype == v.dtype and torch.equal(moved[k], v)
+    for device in (torch.device("cpu"), "cpu"):  # evaluate() takes either
+        moved = batch_to_device(batch, device)
+        assert moved.keys() == batch.keys()
+        for k, v in batch.items():
+            assert moved[k].device.type == "cpu" and moved[k].dtype == v.dtype and torch.equal(moved[k], v)
 
 
 @pytest.mark.gpu
