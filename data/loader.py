@@ -31,10 +31,10 @@ def batch_to_device(batch: Mapping[str, torch.Tensor], device: torch.device | st
     """A loader's micro-batch (CPU tensors) on `device`, without making the host wait for the GPU.
 
     CUDA may synchronise the stream before a copy from pageable host memory that it stages through its own pinned
-    buffer (documented for `cudaMemcpyAsync`; on an H100 with CUDA 13 copies of 8 and 64 KiB did not wait, the step's
-    micro-batches at micro-batch 2: docs/benchmarks.md). Staged through page-locked memory of PyTorch's caching host
-    allocator (which keeps the buffer until the copy has run) the copy is queued like a kernel whatever its size. On
-    other devices: `tensor.to(device)`."""
+    buffer (documented for `cudaMemcpyAsync`; when it does, the host waits for the previous micro-batch's backward
+    before the next forward; what the H100 did: docs/benchmarks.md, twelfth session). Staged through page-locked
+    memory of PyTorch's caching host allocator (which keeps the buffer until the copy has run) the copy is queued like
+    a kernel whatever its size. On other devices: `tensor.to(device)`."""
     device = torch.device(device)
     if device.type != "cuda":
         return {k: v.to(device) for k, v in batch.items()}
