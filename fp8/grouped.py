@@ -590,8 +590,8 @@ class GroupedGemmConfig:
     prefetch_scales: bool = False
     # forward/dgrad with TMA: flatten the persistent tile loop and the K loop into one (`tl.range(flatten=True)`),
     # so the pipeliner loads the next tile's first K blocks during this tile's store; the same bits; off: slower on
-    # the e64 shapes (docs/kernel_tuning.md). The wgrad ignores it: its token loop's length varies by expert,
-    # which Triton does not fuse
+    # the e64 shapes (docs/kernel_tuning.md). Forward/dgrad only: `GroupedConfig` refuses it on the wgrad, whose
+    # token loop's length varies by expert, which Triton does not fuse
     flatten: bool = False
 
 
@@ -638,6 +638,10 @@ class GroupedConfig:
 
     def __post_init__(self) -> None:
         check_token_chunk_launch("GroupedConfig.tokens_block_f / tokens_warps", self.tokens_block_f, self.tokens_warps)
+        if self.wgrad.flatten:
+            raise ValueError("GroupedConfig.wgrad.flatten=True: the grouped wgrad cannot flatten its tile and K loops "
+                             "(an expert's token loop varies in length, which Triton does not fuse); flatten is a "
+                             "forward/dgrad option (GroupedConfig.fprop)")
 
 
 GROUPED_TUNING: Tuning[GroupedConfig] = Tuning(

@@ -14,6 +14,7 @@ from fp8.gemm_sm90 import Sm90GemmConfig
 from fp8.grouped import (
     GROUPED_TUNING,
     GroupedConfig,
+    GroupedGemmConfig,
     GroupedRows,
     grouped_gemm,
     grouped_gemm_wgrad,
@@ -209,6 +210,19 @@ def test_bad_operands_name_the_problem():
         grouped_gemm(a[:6], torch.ones(6, 1), w[:2], torch.ones(2, 1, 1), rows)
     with pytest.raises(ValueError, match="multiples of 128"):
         quantize_expert_weights(torch.zeros(2, 100, 128))
+
+
+def test_a_flattened_wgrad_is_refused_naming_the_field():
+    """`GroupedGemmConfig.flatten` is a forward/dgrad option: on the wgrad, whose token loop varies by expert, it
+    would be ignored, so it is refused, directly and through the tuning override, while the fprop takes it."""
+    flat = GroupedGemmConfig(flatten=True)
+    with pytest.raises(ValueError, match=r"GroupedConfig\.wgrad\.flatten"):
+        GroupedConfig(wgrad=flat)
+    with pytest.raises(ValueError, match=r"GroupedConfig\.wgrad\.flatten"):
+        with GROUPED_TUNING.override(wgrad=flat):
+            pass
+    assert GroupedConfig(fprop=flat).fprop.flatten
+    assert not GROUPED_TUNING.current().wgrad.flatten  # the refused override left the tuning as it was
 
 
 def test_the_wgrad_asks_for_the_gluon_tiles_only_where_expert_segments_are_short():
