@@ -174,6 +174,12 @@ def idle_before_us(events, part_of: Callable[[Any], str | None] | None = None,
     if part_of is None:
         events = _by_start(events)
         part_of = _part_resolver(events)
+    return _idle_by_part(_device_spans(events), events, part_of, links)
+
+
+def _idle_by_part(spans: list, events, part_of: Callable[[Any], str | None],
+                  links: dict[int, int] | None) -> dict[str, float]:  # fmt: skip
+    """`idle_before_us` over the `_device_spans` of `events`."""
     launcher = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.kernels}
     if links is None:
         link = lambda d: getattr(d, "linked_correlation_id", 0)  # noqa: E731
@@ -181,7 +187,7 @@ def idle_before_us(events, part_of: Callable[[Any], str | None] | None = None,
         link = lambda d: links.get(d.id, 0)  # noqa: E731
     idle: dict[str, float] = defaultdict(float)
     end = None
-    for d in _device_spans(events):
+    for d in spans:
         if end is not None and d.time_range.start > end:
             op_id = link(d)  # 0: linked to no op
             op = launcher.get(op_id) if op_id > 0 else None
@@ -198,8 +204,13 @@ def _root(event):
 
 def busy_us(events) -> float:
     """Length of the union of all device-side intervals (`_device_spans`), µs."""
+    return _union_us(_device_spans(events))
+
+
+def _union_us(spans: list) -> float:
+    """Length of the union of `spans` (device events sorted by start), µs."""
     total, end = 0.0, float("-inf")
-    for d in _device_spans(events):
+    for d in spans:
         s, t = d.time_range.start, d.time_range.end
         if t > end:
             total += t - max(s, end)
@@ -326,11 +337,12 @@ def summarize(events, steps: int, cuda: bool, wall_s: float | None = None,
     events = _by_start(events)
     part_of = _part_resolver(events)  # once, for the kernels, the host time and the idle gaps
     parts = attribute_each(events, (True, False) if cuda else (False,), part_of)
+    spans = _device_spans(events) if cuda else []  # once, for the busy time and the idle gaps
     return ProfileSummary(parts[0], steps, cuda,
                           wall_ms=wall_s / steps * 1e3 if wall_s is not None else None,
-                          busy_ms=busy_us(events) / steps / 1e3 if cuda else None,
+                          busy_ms=_union_us(spans) / steps / 1e3 if cuda else None,
                           host_parts=parts[1] if cuda else None,
-                          idle_parts=idle_before_us(events, part_of, links) if cuda else None)
+                          idle_parts=_idle_by_part(spans, events, part_of, links) if cuda else None)
 
 
 @contextlib.contextmanager

@@ -257,6 +257,8 @@ def test_cuda_kernels_go_to_their_forward_part_grad_reduction_and_other():
     assert busy_us(events) == 16.0
     # each gap goes to the part of the op whose device work ends it (the backward mm's forward part, the hook's)
     assert idle_before_us(events) == {"experts": 12.0, GRAD_REDUCE: 4.0, "other": 4.0}
+    # the gaps and the busy time split the device timeline's extent (first start to last end) between them
+    assert sum(idle_before_us(events).values()) + busy_us(events) == 36.0
     summary = summarize(events, steps=2, cuda=True, wall_s=40e-6)
     assert summary.total_ms == pytest.approx(22.25 / 2 / 1e3) and summary.busy_ms == pytest.approx(8e-3)
     data = summary.to_dict()
