@@ -12,17 +12,18 @@ per optimizer step grow with M), or `@max` (the largest micro-batch that fits: d
 trials until one runs out of memory or passes `--max-micro`, then bisected between the last that fitted and the
 first that did not (`--max-search double` skips that), then measured; the trials are listed under the table). Each is a
 fresh `python train.py` process (so peak memory is its own) on synthetic data, under `deepspeed=--deepspeed`
-(default zero1, the GPU experiments'; the `*_zero2` rows and an `--extra` naming the group override it);
-the table reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU)
-and the slowest and fastest of those steps' tokens/s (the row's spread: a host stall shows there),
-the peak memory over all steps, the optimizer state (moments + fp32 master weights, `optim_state_gib`) and the
-speed and memory against the `bf16` row of the same micro-batch and MTP setting. A variant that runs out of
-memory is an "OOM" row. `--profile V1,V2` runs those variants' last step under torch.profiler
-(`train.profile_step`, left out of the medians) and prints the grouped tables after the main one, each followed
-(on a GPU) by how much of an unprofiled step the GPU works (its busy time against the timed steps' median);
-`--profile-python V` runs one step of those variants under cProfile (`train.profile_python_step`, the step before the
-torch-profiled one when both are asked) and prints the host-time tables. Not imported by
-the library (bench/bench_scaling.py reuses `summarize_run`).
+(default zero1, the GPU experiments'; the `*_zero2` rows and an `--extra` naming the group override it); the table
+reports medians over the steps after the first `--warmup` (tokens/s, model TFLOPS and MFU per GPU) and the slowest
+and fastest of those steps' tokens/s (the row's spread: a host stall shows there), the GPU's median SM clock and the
+share of clock samples held down by the power cap (`logging.gpu_clock_interval_s`, NVML; "n/a" without it: a
+throttled row shows there), the peak memory over all steps, the optimizer state (moments + fp32 master weights,
+`optim_state_gib`) and the speed and memory against the `bf16` row of the same micro-batch and MTP setting. A
+variant that runs out of memory is an "OOM" row. `--profile V1,V2` runs those variants' last step under
+torch.profiler (`train.profile_step`, left out of the medians) and prints the grouped tables after the main one,
+each followed (on a GPU) by how much of an unprofiled step the GPU works (its busy time against the timed steps'
+median); `--profile-python V` runs one step of those variants under cProfile (`train.profile_python_step`, the step
+before the torch-profiled one when both are asked) and prints the host-time tables. Not imported by the library
+(bench/bench_scaling.py reuses `summarize_run`).
 """
 
 from __future__ import annotations
@@ -176,13 +177,19 @@ def run_variant(spec: str, args, profile_step: int | None = None, python_step: i
 def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) -> dict:
     """A train.py run's metrics.jsonl → medians over the steps after `warmup` but `skip_steps` (tokens/s global,
     TFLOPS and MFU per GPU) and the slowest and fastest of those steps' tokens/s (the row's spread), the peak memory
-    over all steps, the optimizer state (logged once), the first and last loss."""
+    over all steps, the optimizer state (logged once), the first and last loss; on a GPU whose clocks the trainer
+    sampled (`logging.gpu_clock_interval_s`), the median of the steps' SM clocks and the mean of their power-capped
+    shares (else None)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows[warmup:] if r["step"] not in skip_steps] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
     speeds = [r["tokens_per_s"] for r in timed if r.get("tokens_per_s") is not None]
     step_s = [r["step_time_s"] for r in timed if r.get("step_time_s") is not None]
+    clocks = [r["sm_clock_mhz"] for r in timed if r.get("sm_clock_mhz") is not None]
+    capped = [r["power_capped_share"] for r in timed if r.get("power_capped_share") is not None]
     return {"tokens_per_s": statistics.median(speeds), "tokens_per_s_range": (min(speeds), max(speeds)),
+            "sm_clock_mhz": statistics.median(clocks) if clocks else None,
+            "power_capped_share": statistics.fmean(capped) if capped else None,
             "step_ms": statistics.median(step_s) * 1e3 if step_s else None,
             "tflops": med("tflops_per_gpu"),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
@@ -192,7 +199,8 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
 
 
 HEADER = ["variant", "micro-batch", "recompute", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB",
-          "vs bf16", "optimizer state GiB", "loss first→last", "tokens/s, slowest–fastest timed step"]
+          "vs bf16", "optimizer state GiB", "loss first→last", "tokens/s, slowest–fastest timed step",
+          "SM clock MHz", "power-capped"]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
@@ -214,9 +222,11 @@ def table_rows(results: list[dict]) -> list[list[str]]:
         speed, mem = (f"{r[k] / base[k]:.2f}x" if base else "" for k in ("tokens_per_s", "peak_mem_gib"))
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
         spread = "–".join(f"{v:,.0f}" for v in r["tokens_per_s_range"]) if "tokens_per_s_range" in r else ""
+        clock, capped = r.get("sm_clock_mhz"), r.get("power_capped_share")
         rows.append([r["variant"], str(r["micro"]), r.get("recompute", ""), f"{r['tokens_per_s']:,.0f}", speed,
                      f"{r['tflops']:.0f}", mfu, f"{r['peak_mem_gib']:.1f}", mem,
-                     f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", spread])
+                     f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", spread,
+                     "n/a" if clock is None else f"{clock:,.0f}", "n/a" if capped is None else f"{capped:.0%}"])
     return rows
 
 

@@ -174,6 +174,7 @@ SPEC: dict[str, Any] = {
     "moe": {"pad_for_fp8": flag(null=True), "pad_multiple": integer(1), "ep_size": integer(1)},
     "logging": {
         "progress_bar": flag(), "jsonl": flag(), "level": LOG_LEVELS, "deepspeed_level": LOG_LEVELS,
+        "gpu_clock_interval_s": number(0),
         "wandb": {"mode": one_of("offline", "online", "disabled"), "project": text(), "entity": text(null=True),
                   "tags": list_of(text())},
     },

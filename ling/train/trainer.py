@@ -44,6 +44,7 @@ from ling.files import atomic_write
 from ling.ranks import barrier, broadcast, env_rank, init_distributed, rank_world
 from ling.train.determinism import deterministic_mode
 from ling.train.engine import build_engine
+from ling.train.gpu_clocks import ClockSampler
 from ling.train.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_skip
 from ling.train.launch import StopRun
 from ling.train.logger import MetricsLogger, setup_logging, truncate_metrics
@@ -215,6 +216,9 @@ class Trainer:
         self.tokens_per_step = int(tc.micro_batch_size) * int(tc.seq_len) * self.accum * self.world
         self.flops_per_token = flops_per_token(self.model_config, self.counts, int(tc.seq_len))
         self.peak = peak_tflops(self.device, tc.get("peak_tflops"))
+        # rank 0's GPU clock, power and power-cap share over each step (logged; rank 0 writes the metrics)
+        self.clocks = (ClockSampler.for_device(self.device, float(cfg.logging.get("gpu_clock_interval_s") or 0))
+                       if self.rank == 0 else None)
         self.routers = self.model.routers()
         self.bias_rate = self.model_config.bias_update_rate if tc.bias_update else 0.0
         self.stop_requested = False
@@ -360,6 +364,8 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        if self.clocks is not None:
+            self.clocks.take()  # the window starts with the step
         # loss, lm, mtp, z; one stop flag per STOP_SIGNALS; "my checkpoint write is done" (NCCL: on GPU)
         sums = torch.zeros(4 + len(STOP_SIGNALS) + 1, dtype=torch.float64, device=device)
         for _ in range(self.accum):
@@ -410,6 +416,8 @@ class Trainer:
         }
         if self.peak:
             metrics["mfu"] = metrics["tflops_per_gpu"] / self.peak
+        if self.clocks is not None:
+            metrics.update(self.clocks.take())  # sm_clock_mhz, power_w, power_capped_share
         if loads:
             max_over_mean = [s["max_over_mean"] for s in loads]
             metrics["expert_load_max_over_mean"] = float(np.mean(max_over_mean))
@@ -535,6 +543,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        if self.clocks is not None:
+            self.clocks.close()
         self.checkpointer.close()
         self.logger.close()
 
