@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from ling.train import gpu_clocks
 from ling.train.gpu_clocks import SW_POWER_CAP, ClockSample, ClockSampler, nvml_reader
 
 
-def queued_reader() -> tuple[queue.Queue, callable]:
+def queued_reader() -> tuple[queue.Queue, Callable[[], ClockSample]]:
     """A reader that returns what the test puts in the queue, in order (an exception is raised), and blocks
     until then."""
     q: queue.Queue = queue.Queue()
@@ -81,6 +82,8 @@ def fake_nvml(reasons: int, *, new_name: bool = True) -> SimpleNamespace:
     calls = {"init": 0}
 
     def by_uuid(uuid: str):
+        if not calls["init"]:
+            raise RuntimeError("NVML_ERROR_UNINITIALIZED")
         if uuid != "GPU-5e1f0c2a-0000-4000-8000-000000000001":
             raise RuntimeError(f"NVML_ERROR_NOT_FOUND: {uuid}")
         return handle
@@ -109,6 +112,7 @@ def test_the_nvml_reader_finds_the_device_by_uuid_and_reads_the_power_cap_bit(mo
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(gpu_clocks, "pynvml", fake_nvml(SW_POWER_CAP | 0x1, new_name=new_name))  # + GPU idle bit
     read = nvml_reader(torch.device("cuda", 0))
+    assert gpu_clocks.pynvml.calls["init"] == 1  # once (the lookup refuses an uninitialised NVML)
     assert read() == ClockSample(sm_mhz=1830.0, power_w=698.5, power_capped=True)
     monkeypatch.setattr(gpu_clocks, "pynvml", fake_nvml(0x1 | 0x8))  # idle and hardware slowdown, not the cap
     assert nvml_reader(torch.device("cuda", 0))().power_capped is False
