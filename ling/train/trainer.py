@@ -217,7 +217,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_config, self.counts, int(tc.seq_len))
         self.peak = peak_tflops(self.device, tc.get("peak_tflops"))
         # rank 0's GPU clock, power and power-cap share over each step (logged; rank 0 writes the metrics)
-        self.clocks = (ClockSampler.for_device(self.device, float(cfg.logging.get("gpu_clock_interval_s") or 0))
+        self.clocks = (ClockSampler.for_device(self.device, float(cfg.logging.gpu_clock_interval_s))
                        if self.rank == 0 else None)
         self.routers = self.model.routers()
         self.bias_rate = self.model_config.bias_update_rate if tc.bias_update else 0.0

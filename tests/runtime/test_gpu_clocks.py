@@ -69,11 +69,7 @@ def test_a_failing_reading_stops_the_sampling_and_says_so(caplog):
     sampler.close()
 
 
-def test_no_sampler_when_off_or_on_cpu_and_a_bad_interval_is_refused():
-    assert ClockSampler.for_device(torch.device("cpu"), 0.5) is None
-    assert ClockSampler.for_device(torch.device("cuda", 0), 0.0) is None  # off: NVML is not even asked
-    with pytest.raises(ValueError, match="sampling interval must be positive"):
-        ClockSampler(lambda: ClockSample(1, 1.0, False), interval_s=0)
+DEVICE_UUID = "5e1f0c2a-0000-4000-8000-000000000001"  # the stand-in NVML's one device, as torch reports it
 
 
 def fake_nvml(reasons: int, *, new_name: bool = True) -> SimpleNamespace:
@@ -84,7 +80,7 @@ def fake_nvml(reasons: int, *, new_name: bool = True) -> SimpleNamespace:
     def by_uuid(uuid: str):
         if not calls["init"]:
             raise RuntimeError("NVML_ERROR_UNINITIALIZED")
-        if uuid != "GPU-5e1f0c2a-0000-4000-8000-000000000001":
+        if uuid != f"GPU-{DEVICE_UUID}":
             raise RuntimeError(f"NVML_ERROR_NOT_FOUND: {uuid}")
         return handle
 
@@ -105,7 +101,20 @@ def fake_nvml(reasons: int, *, new_name: bool = True) -> SimpleNamespace:
     return nvml
 
 
-@pytest.mark.parametrize("uuid", ["5e1f0c2a-0000-4000-8000-000000000001", "GPU-5e1f0c2a-0000-4000-8000-000000000001"])
+def test_no_sampler_when_off_or_on_cpu_and_a_bad_interval_is_refused(monkeypatch):
+    # a working stand-in NVML: only the device type and the interval can turn the sampling off here
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid=DEVICE_UUID))
+    monkeypatch.setattr(gpu_clocks, "pynvml", fake_nvml(0))
+    sampler = ClockSampler.for_device(torch.device("cuda", 0), 0.5)  # the control: on
+    assert sampler is not None
+    sampler.close()
+    assert ClockSampler.for_device(torch.device("cpu"), 0.5) is None
+    assert ClockSampler.for_device(torch.device("cuda", 0), 0.0) is None  # off
+    with pytest.raises(ValueError, match="sampling interval must be positive"):
+        ClockSampler(lambda: ClockSample(1, 1.0, False), interval_s=0)
+
+
+@pytest.mark.parametrize("uuid", [DEVICE_UUID, f"GPU-{DEVICE_UUID}"])
 @pytest.mark.parametrize("new_name", [True, False])
 def test_the_nvml_reader_finds_the_device_by_uuid_and_reads_the_power_cap_bit(monkeypatch, uuid, new_name):
     props = SimpleNamespace(uuid=uuid)
