@@ -30,6 +30,14 @@ shapes and 0.53-0.65x on the grouped ones (one program per SM leaves the tensor 
 the Triton kernels' two or three resident programs cover), so `fp8.gemm` and `fp8.grouped` run it only when
 asked (`GemmChoice.sm90`, `GroupedConfig.sm90`).
 
+Warp-specialised dense kernel (`Sm90GemmConfig.warp_specialized`, dense GEMMs only): the same tiles' maths split
+over three partitions (`gl.warp_specialize`): a one-warp loader streams the A and B boxes of every (tile, K block)
+by TMA into STAGES buffers (a ready barrier per buffer counts the bytes; an empty barrier counts two releases), and
+two consumer warpgroups each own one 64-row half of every 128-row tile: wait for the buffer, wgmma, wait for it,
+release the buffer, promote. The consumers never wait for each other, so one's promotion runs while the other's
+wgmma does (CUTLASS's and DeepGEMM's cooperative schedule); each stores its half through its own shared buffer.
+The same products in the same K order: the Triton kernels' bits.
+
 Defined only where Triton ships Gluon's Hopper language (`HAS_GLUON`); `sm90_available(t)` says whether the
 kernels can run on a tensor's device. Gluon kernels do not run in Triton's CPU interpreter: the CPU path and
 the interpreter tests keep the Triton kernels.
@@ -63,6 +71,7 @@ __all__ = [
     "HAS_GLUON",
     "SM90_CONFIG",
     "SM90_SMALL_TILES",
+    "SM90_WARP_SPECIALIZED",
     "Sm90GemmConfig",
     "fp8_gemm_sm90",
     "grouped_gemm_sm90",
@@ -73,7 +82,12 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Sm90GemmConfig:
-    """Tiles of the Gluon kernel: BLOCK_M rows (16 per warp), BLOCK_N columns, STAGES operand buffers."""
+    """Tiles of the Gluon kernel: BLOCK_M rows (16 per warp), BLOCK_N columns, STAGES operand buffers.
+
+    `warp_specialized` (dense GEMMs only): the warp-specialised kernel instead (see "Warp-specialised dense
+    kernel" in the module doc): 128-row tiles, two consumer warpgroups of 4 warps and a loader warp (num_warps
+    and programs_per_sm are then ignored: one program per SM); `carry`: its consumers issue each K block's wgmma
+    before promoting the previous block's product; `consumer_regs`: the registers each consumer thread may use."""
 
     block_m: int = 128
     block_n: int = 128
@@ -81,12 +95,18 @@ class Sm90GemmConfig:
     stages: int = 4
     num_warps: int = 8
     programs_per_sm: int = 1
+    warp_specialized: bool = False
+    carry: bool = False
+    consumer_regs: int = 232
 
 
 SM90_CONFIG = Sm90GemmConfig()  # the tiles of every GEMM it runs (the defaults above)
 # 64x128 tiles of one warpgroup, two resident programs per SM: the tiles of the expert wgrad of short segments
 # (fp8/grouped.py: GroupedConfig.sm90_wgrad)
 SM90_SMALL_TILES = Sm90GemmConfig(block_m=64, num_warps=4, programs_per_sm=2)
+# the warp-specialised dense kernel (measured in docs/kernel_tuning.md; not a default)
+SM90_WARP_SPECIALIZED = Sm90GemmConfig(warp_specialized=True)
+LOADER_REGS = 40  # the warp-specialised kernel's loader warp: TMA issue and barrier waits only
 
 
 def sm90_available(t: torch.Tensor) -> bool:
@@ -421,6 +441,160 @@ if HAS_GLUON:
             mbarrier.invalidate(ready.index(i))
 
 
+    # ------------------------------------------------------------------ the warp-specialised dense kernel
+    @gluon.jit
+    def _ws_loader(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                   NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+        """The loader warp: the A and B boxes of every (tile, K block) of the program, in the consumers' order,
+        into buffer `it % STAGES` once both consumers released its previous use (empty), signalled on ready."""
+        num_kb = gl.cdiv(K, 128)
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            for kb in range(num_kb):
+                s = it % STAGES
+                # a fresh barrier counts as released: its phase "before 0" is complete
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * 128], bar, a_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * 128], bar, b_smem.index(s))
+                it += 1
+
+    @gluon.jit
+    def _ws_block_product(a_smem, b_smem, ready, empty, s, phase, zero, WG: gl.constexpr, HALF: gl.constexpr):
+        """This consumer's [HALF, BLOCK_N] product of the K block in buffer s, complete; the buffer released."""
+        mbarrier.wait(ready.index(s), phase)
+        part = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF, dim=0), b_smem.index(s).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)  # fmt: skip
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        mbarrier.arrive(empty.index(s), count=1)
+        return part
+
+    @gluon.jit
+    def _ws_consumer(a_smem, b_smem, c_smem, c_desc, ready, empty, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask,
+                     stride_bsn, stride_bsk, WG: gl.constexpr, B_BLOCKWISE: gl.constexpr, CARRY: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                     NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup WG: rows WG·HALF… of every tile of the program. Per K block: wait for the buffer,
+        wgmma, wait for it, release the buffer, promote (CARRY: the next block's wgmma is issued before this
+        block's promotion, which then overlaps it). No barrier between the two consumers: one's promotion
+        overlaps the other's wgmma."""
+        HALF: gl.constexpr = BLOCK_M // 2
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])  # fmt: skip
+        zero = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
+        num_kb = gl.cdiv(K, 128)
+        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            row0 = pid_m * BLOCK_M + WG * HALF
+            sa_offs = _a_scale_offsets(row0, M, stride_asm, HALF, mma_layout)
+            acc = zero
+            if CARRY:
+                prev = _ws_block_product(a_smem, b_smem, ready, empty, it % STAGES, (it // STAGES) & 1, zero, WG,
+                                         HALF)  # fmt: skip
+                prev_sa = gl.load(as_ptr + sa_offs)
+                prev_sb = _b_scales(bs_ptr, 0, pid_n, 0, N, 0, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
+                                    mma_layout)  # fmt: skip
+                it += 1
+                for kb in range(1, num_kb):
+                    s = it % STAGES
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    cur = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF, dim=0),
+                                        b_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                    acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
+                    prev_sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
+                    prev_sb = _b_scales(bs_ptr, 0, pid_n, kb, N, 0, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
+                                        mma_layout)  # fmt: skip
+                    prev = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    it += 1
+                acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
+            else:
+                for kb in range(num_kb):
+                    sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
+                    sb = _b_scales(bs_ptr, 0, pid_n, kb, N, 0, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
+                                   mma_layout)  # fmt: skip
+                    part = _ws_block_product(a_smem, b_smem, ready, empty, it % STAGES, (it // STAGES) & 1, zero,
+                                             WG, HALF)  # fmt: skip
+                    acc = _promote(acc, part, sa, sb, B_BLOCKWISE)
+                    it += 1
+            tma.store_wait(0)  # the previous tile's store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _fp8_gemm_sm90_ws_kernel(
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+        stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
+        B_BLOCKWISE: gl.constexpr, CARRY: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LOADER_REGISTERS: gl.constexpr,
+    ):  # fmt: skip
+        """The dense C = A·Bᵀ of `_fp8_gemm_sm90_kernel` (DENSE mode), warp-specialised: the default partition
+        and worker 0 are the two consumer warpgroups, worker 1 the loader warp. Ready barriers count the TMA
+        bytes; empty barriers count two arrivals (one per consumer)."""
+        HALF: gl.constexpr = BLOCK_M // 2
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.float8e4nv)
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.float8e4nv)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], c_ptr.dtype.element_ty)
+        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, 128], a_layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, 128], b_layout)
+        c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HALF, BLOCK_N], c_layout)
+        a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], a_layout)
+        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], b_layout)
+        c0_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
+        c1_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize(
+            [
+                (_ws_consumer, (a_smem, b_smem, c0_smem, c_desc, ready, empty, as_ptr, bs_ptr, M, N, K, stride_asm,
+                                stride_ask, stride_bsn, stride_bsk, 0, B_BLOCKWISE, CARRY, BLOCK_M, BLOCK_N, GROUP_M,
+                                STAGES, NUM_PROGRAMS)),
+                (_ws_consumer, (a_smem, b_smem, c1_smem, c_desc, ready, empty, as_ptr, bs_ptr, M, N, K, stride_asm,
+                                stride_ask, stride_bsn, stride_bsk, 1, B_BLOCKWISE, CARRY, BLOCK_M, BLOCK_N, GROUP_M,
+                                STAGES, NUM_PROGRAMS)),
+                (_ws_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, BLOCK_M, BLOCK_N, GROUP_M,
+                              STAGES, NUM_PROGRAMS)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGISTERS],
+        )  # fmt: skip
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+def _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise: bool, config: Sm90GemmConfig) -> None:
+    """The warp-specialised dense kernel on TMA-readable a [M, K], b [N, K], c [M, N]."""
+    if config.block_m != 128:
+        raise ValueError(f"the warp-specialised kernel takes 128-row tiles (two 64-row consumers), got "
+                         f"block_m={config.block_m}")  # fmt: skip
+    if not tma_compatible(a, b, c):
+        raise ValueError("the Gluon GEMM reads and writes through TMA: every operand needs a unit inner stride and "
+                         f"16-byte aligned rows and base, got a {tuple(a.shape)} stride {a.stride()} {a.dtype}, "
+                         f"b {tuple(b.shape)} stride {b.stride()}, out {tuple(c.shape)} stride {c.stride()} "
+                         f"{c.dtype}")  # fmt: skip
+    set_descriptor_allocator()
+    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device))
+    _fp8_gemm_sm90_ws_kernel[(progs,)](
+        a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale.stride(0),
+        a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), B_BLOCKWISE=b_blockwise, CARRY=config.carry,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STAGES=config.stages,
+        NUM_PROGRAMS=progs, CONSUMER_REGS=config.consumer_regs, LOADER_REGISTERS=LOADER_REGS, num_warps=4,
+    )  # fmt: skip
+
+
 def _launch(a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
             config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
     """a [M, K], b2 [B_ROWS, K] and c2 [C_ROWS, N]: the 2-D views the kernel's TMA descriptors read and write."""
@@ -462,6 +636,9 @@ def fp8_gemm_sm90(
         return c.zero_()
     if b_blockwise and config.block_n != 128:
         raise ValueError("the 128x128-scaled B needs block_n = 128 (one scale per tile and K block)")
+    if config.warp_specialized:
+        _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise, config)
+        return c
     progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device) * config.programs_per_sm)
     _launch(a, b, c, a_scale, b_scale, a_scale, a_scale, m, n, k, 1, b_blockwise, DENSE, progs, config,
             (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
@@ -487,6 +664,8 @@ def grouped_gemm_sm90(
     segments are left unwritten."""
     m, k = a.shape
     g, n, _ = b.shape
+    if config.warp_specialized:
+        raise ValueError("the warp-specialised Gluon kernel runs dense GEMMs only")
     if config.block_n != 128 or n % config.block_n:
         raise ValueError(f"the grouped kernel needs block_n = 128 dividing N, got {config.block_n} and N={n}")
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
@@ -513,6 +692,8 @@ def grouped_gemm_wgrad_sm90(
     n, cols = a.shape
     k = b.shape[0]
     g = out.shape[0]
+    if config.warp_specialized:
+        raise ValueError("the warp-specialised Gluon kernel runs dense GEMMs only")
     if n % config.block_m:
         raise ValueError(f"the wgrad kernel needs block_m = {config.block_m} dividing N, got N={n}")
     tiles = g * cdiv(n, config.block_m) * cdiv(k, config.block_n)

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.gpu
 # needs 16-byte rows); one tile; fewer tiles than SMs and more; a shared expert's K = 512
 SHAPES = [(1024, 768, 1024), (1000, 384, 640), (333, 256, 208), (128, 128, 128), (257, 640, 1152), (64, 128, 384),
           (4096, 2048, 512)]  # fmt: skip
-CONFIGS = [Sm90GemmConfig(), Sm90GemmConfig(stages=3), Sm90GemmConfig(group_m=1, stages=5)]
+CONFIGS = [Sm90GemmConfig(), Sm90GemmConfig(stages=3), Sm90GemmConfig(group_m=1, stages=5),
+           Sm90GemmConfig(warp_specialized=True), Sm90GemmConfig(warp_specialized=True, carry=True, stages=5),
+           Sm90GemmConfig(warp_specialized=True, group_m=1, stages=3)]  # fmt: skip
 
 
 def _needs_sm90():
@@ -58,7 +60,8 @@ def _triton(a, a_s, b, b_s, b_blockwise, out_dtype):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("b_blockwise,out_dtype", [(True, torch.bfloat16), (False, torch.float32),
                                                    (False, torch.bfloat16)])  # fmt: skip
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "3-stages", "5-stages-ungrouped"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "3-stages", "5-stages-ungrouped", "warp-specialized",
+                                         "warp-specialized-carry-5-stages", "warp-specialized-3-stages-ungrouped"])
 def test_sm90_gemm_gives_the_triton_kernels_bits(shape, b_blockwise, out_dtype, cfg):
     _needs_sm90()
     torch.manual_seed(hash((shape, b_blockwise)) % 2**31)
@@ -98,6 +101,21 @@ def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales_and_rows_tma_cannot_rea
     a, a_s, b, b_s = _operands(333, 256, 200, True)  # 200-byte rows (the H200 run of 2026-12-05 gave garbage)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         fp8_gemm_sm90(a, a_s, b, b_s)
+
+
+def test_the_warp_specialized_kernel_refuses_what_it_does_not_run():
+    """128-row tiles only (two 64-row consumers), dense GEMMs only, TMA-readable operands only."""
+    _needs_sm90()
+    a, a_s, b, b_s = _operands(256, 256, 256, True)
+    with pytest.raises(ValueError, match="128-row tiles"):
+        fp8_gemm_sm90(a, a_s, b, b_s, config=Sm90GemmConfig(warp_specialized=True, block_m=64))
+    a2, a2_s, b2, b2_s = _operands(333, 256, 200, True)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        fp8_gemm_sm90(a2, a2_s, b2, b2_s, config=Sm90GemmConfig(warp_specialized=True))
+    offsets = torch.tensor([0, 256], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="dense GEMMs only"):
+        grouped_gemm_sm90(a, a_s, b.unsqueeze(0), b_s.unsqueeze(0), offsets, offsets // 128, 2,
+                          config=Sm90GemmConfig(warp_specialized=True))  # fmt: skip
 
 
 # segment lengths: empty experts, ones shorter than a tile, one over two 128-row tiles (tests/fp8/test_fp8_grouped.py)
