@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp8 import gemm as G  # noqa: E402
 from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
-from fp8.gemm_sm90 import SM90_CONFIG, SM90_SMALL_TILES, sm90_available  # noqa: E402
+from fp8.gemm_sm90 import SM90_CONFIG, SM90_SMALL_TILES, SM90_WARP_SPECIALIZED, sm90_available  # noqa: E402
 from fp8.health import relative_error  # noqa: E402
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
 from fp8.quant import (  # noqa: E402
@@ -46,8 +46,11 @@ from fp8.quant import (  # noqa: E402
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (10240, 2048), "down": (2048, 5120),
           "shared_gate_up": (1024, 2048), "shared_down": (2048, 512)}  # (N, K) of every Ling-mini FP8Linear
 # the Hopper Gluon kernel's tiles swept (fp8/gemm_sm90.py; sm_90 only): its default, and two resident 64x128
-# programs per SM with 4 and 3 stages (also swept by bench_moe.py on the grouped GEMMs)
-SM90_SWEEP = [SM90_CONFIG, SM90_SMALL_TILES, dataclasses.replace(SM90_SMALL_TILES, stages=3)]
+# programs per SM with 4 and 3 stages (also swept by bench_moe.py on the grouped GEMMs); the warp-specialised kernel
+# with 4 and 5 stages, with and without the carried product
+SM90_SWEEP = [SM90_CONFIG, SM90_SMALL_TILES, dataclasses.replace(SM90_SMALL_TILES, stages=3), SM90_WARP_SPECIALIZED,
+              dataclasses.replace(SM90_WARP_SPECIALIZED, stages=5),
+              dataclasses.replace(SM90_WARP_SPECIALIZED, carry=True)]  # fmt: skip
 SWEEP = [  # H200 runs 1-3 also tried 128x256 / 256x128 tiles (spills or shared-memory overflow: 100-550 TFLOPS)
     GemmConfig(64, 128, 8, 4, 4, tma=True, persistent=True, programs_per_sm=2),  # FPROP_CONFIG
     # loading the next K block's scales ahead (fp8/triton_blocks.py): WGRAD_CONFIG, the 16-bit wgrad's default
@@ -178,6 +181,12 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
             bms = bench_ms(functools.partial(torch.matmul, a16, b16.t()))
             # the Hopper Gluon kernel (fp8/gemm_sm90.py; off by default), on the same operands
             gms = bench_ms(functools.partial(fn, config=SM90_CONFIG)) if sm90_available(a) else float("nan")
+            # its warp-specialised dense kernel (off by default), checked bit for bit against ours' default
+            wms, wbits = float("nan"), ""
+            if sm90_available(a):
+                wfn = functools.partial(fn, config=SM90_WARP_SPECIALIZED)
+                wbits = "" if torch.equal(wfn(), fn()) else " (bits differ!)"
+                wms = bench_ms(wfn)
             rows.append(
                 [
                     name,
@@ -185,6 +194,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
                     f"{mm}x{nn_}x{a.shape[1]}",
                     f"{tflops(flops, best[0]):.0f}",
                     f"{tflops(flops, gms):.0f}",
+                    f"{tflops(flops, wms):.0f}{wbits}",
                     cub,
                     f"{tflops(flops, bms):.0f}",
                     f"{tflops(flops, best[0]) / tflops(flops, cms):.2f}",
@@ -199,6 +209,7 @@ def run_gemms(m: int, sweep: bool, log: dict) -> tuple[list[list[str]], dict[str
                     "kind": kind,
                     "ours_ms": best[0],
                     "gluon_ms": gms,
+                    "gluon_ws_ms": wms,
                     "cublas_ms": cms,
                     "bf16_ms": bms,
                     "err": best[1],
@@ -477,6 +488,7 @@ GEMM_HEADER = [
     "MxNxK",
     "ours",
     "ours, Gluon kernel",
+    "ours, Gluon warp-specialised",
     "cuBLAS bw",
     "bf16",
     "ours/cuBLAS",
