@@ -1,0 +1,74 @@
+"""Experiment (fourteenth session): the warp-specialised Gluon dense GEMM (fp8/gemm_sm90.py,
+Sm90GemmConfig.warp_specialized) against our Triton kernel (the default) and cuBLAS's blockwise scaled_mm, on the
+Ling shapes' forward, dgrad and bf16 wgrad, every output compared bit for bit with the Triton kernel's.
+
+Run on the GPU: python scratch/ws_gemm.py
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
+
+from bench_fp8_linear import SHAPES, cublas_blockwise, gemm_operands  # noqa: E402
+
+from fp8.gemm import GEMM_TUNING, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
+from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90  # noqa: E402
+
+VARIANTS = {
+    "ws s4": Sm90GemmConfig(warp_specialized=True),
+    "ws s5": Sm90GemmConfig(warp_specialized=True, stages=5),
+    "ws carry s4": Sm90GemmConfig(warp_specialized=True, carry=True),
+    "ws carry s5": Sm90GemmConfig(warp_specialized=True, carry=True, stages=5),
+}
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main() -> None:
+    rows, bad = [], 0
+    tokens = [int(t) for t in os.environ.get("TOKENS", "16384,4096").split(",")]
+    for m in tokens:
+        for name, (n, k) in SHAPES.items():
+            for kind in ("fprop", "dgrad", "wgrad_bf16"):
+                a, a_s, b, b_s, bw, od, _, _ = gemm_operands(kind, m, n, k)
+                with GEMM_TUNING.override(sm90=None):
+                    ours = (functools.partial(fp8_gemm, a, a_s, b, b_s, od) if bw
+                            else functools.partial(fp8_gemm_wgrad, a, a_s, b, b_s, od))  # fmt: skip
+                    ref = ours()
+                    t_ours = bench(ours)
+                flops = 2.0 * a.shape[0] * b.shape[0] * a.shape[1]
+                try:
+                    t_cub = bench(lambda: cublas_blockwise(a, a_s, b, b_s, bw, od))  # noqa: B023
+                except Exception:  # noqa: BLE001
+                    t_cub = float("nan")
+                row = [str(m), name, kind, f"{flops / t_ours / 1e9:.0f}", f"{flops / t_cub / 1e9:.0f}"]
+                for cfg in VARIANTS.values():
+                    try:
+                        fn = functools.partial(fp8_gemm_sm90, a, a_s, b, b_s, od, b_blockwise=bw, config=cfg)
+                        same = torch.equal(fn(), ref)
+                        bad += not same
+                        row.append(f"{flops / bench(fn) / 1e9:.0f}{'' if same else ' BITS!'}")
+                    except Exception as e:  # noqa: BLE001
+                        row.append(f"err {type(e).__name__}: {str(e)[:80]}")
+                rows.append(row)
+                print(" | ".join(row), flush=True)
+    print(f"\nbit mismatches: {bad}")
+    head = ["tokens", "shape", "GEMM", "ours (Triton)", "cuBLAS blockwise", *VARIANTS]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
