@@ -22,12 +22,15 @@ from bench_fp8_linear import SHAPES, cublas_blockwise, gemm_operands  # noqa: E4
 from fp8.gemm import GEMM_TUNING, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
 from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90  # noqa: E402
 
-VARIANTS = {
+VARIANTS_ALL = {
     "ws s4": Sm90GemmConfig(warp_specialized=True),
     "ws s5": Sm90GemmConfig(warp_specialized=True, stages=5),
     "ws carry s4": Sm90GemmConfig(warp_specialized=True, carry=True),
     "ws carry s5": Sm90GemmConfig(warp_specialized=True, carry=True, stages=5),
 }
+
+
+VARIANTS = {name: VARIANTS_ALL[name] for name in os.environ.get("VARIANTS", ",".join(VARIANTS_ALL)).split(",")}
 
 
 def bench(fn) -> float:
