@@ -575,17 +575,22 @@ if HAS_GLUON:
             mbarrier.invalidate(empty.index(i))
 
 
-def _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise: bool, config: Sm90GemmConfig) -> None:
-    """The warp-specialised dense kernel on TMA-readable a [M, K], b [N, K], c [M, N]."""
-    if config.block_m != 128:
-        raise ValueError(f"the warp-specialised kernel takes 128-row tiles (two 64-row consumers), got "
-                         f"block_m={config.block_m}")  # fmt: skip
+def _check_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    """Refuses operands the kernels' TMA descriptors cannot read or write; sets Triton's descriptor allocator."""
     if not tma_compatible(a, b, c):
         raise ValueError("the Gluon GEMM reads and writes through TMA: every operand needs a unit inner stride and "
                          f"16-byte aligned rows and base, got a {tuple(a.shape)} stride {a.stride()} {a.dtype}, "
                          f"b {tuple(b.shape)} stride {b.stride()}, out {tuple(c.shape)} stride {c.stride()} "
                          f"{c.dtype}")  # fmt: skip
     set_descriptor_allocator()
+
+
+def _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise: bool, config: Sm90GemmConfig) -> None:
+    """The warp-specialised dense kernel on TMA-readable a [M, K], b [N, K], c [M, N]."""
+    if config.block_m != 128:
+        raise ValueError(f"the warp-specialised kernel takes 128-row tiles (two 64-row consumers), got "
+                         f"block_m={config.block_m}")  # fmt: skip
+    _check_tma(a, b, c)
     progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device))
     _fp8_gemm_sm90_ws_kernel[(progs,)](
         a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale.stride(0),
@@ -598,12 +603,7 @@ def _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise: bool, config: Sm
 def _launch(a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
             config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
     """a [M, K], b2 [B_ROWS, K] and c2 [C_ROWS, N]: the 2-D views the kernel's TMA descriptors read and write."""
-    if not tma_compatible(a, b2, c2):
-        raise ValueError("the Gluon GEMM reads and writes through TMA: every operand needs a unit inner stride and "
-                         f"16-byte aligned rows and base, got a {tuple(a.shape)} stride {a.stride()} {a.dtype}, "
-                         f"b {tuple(b2.shape)} stride {b2.stride()}, out {tuple(c2.shape)} stride {c2.stride()} "
-                         f"{c2.dtype}")  # fmt: skip
-    set_descriptor_allocator()
+    _check_tma(a, b2, c2)
     _fp8_gemm_sm90_kernel[(progs,)](
         a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], c2.shape[0],
         a.stride(0), b2.stride(0), c2.stride(0), a_scale.stride(0), a_scale.stride(1), *b_scale_strides,
