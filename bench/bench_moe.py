@@ -428,8 +428,7 @@ def sweep(tokens: int, experts: int) -> list[dict]:
         with G.GROUPED_TUNING.override(fprop=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
                 timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
-    grouped_sm90 = [cfg for cfg in SM90_SWEEP if not cfg.warp_specialized]  # that one runs dense GEMMs only
-    for cfg in grouped_sm90:  # the Hopper Gluon kernel, all three grouped GEMMs
+    for cfg in SM90_SWEEP:  # the Hopper Gluon kernel's tiles, the forward/dgrad GEMMs
         with G.GROUPED_TUNING.override(sm90=cfg):
             for n, k, xq, xs, wq, ws in fprop_cases:
                 timed(f"fprop N={n} K={k}", str(cfg), lambda: G.grouped_gemm(xq, xs, wq, ws, rows), 2 * m * n * k)  # noqa: B023
@@ -450,7 +449,7 @@ def sweep(tokens: int, experts: int) -> list[dict]:
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),
                       lambda: G.grouped_gemm_wgrad(*dyt, *xt, rows, out_dtype=torch.bfloat16), 2 * m * n * k)  # noqa: B023
-    for cfg in grouped_sm90:
+    for cfg in [c for c in SM90_SWEEP if not c.warp_specialized]:  # that one runs forward/dgrad only
         with G.GROUPED_TUNING.override(sm90=cfg):
             for n, k, dyt, xt in wgrad_cases:
                 timed(f"wgrad N={n} K={k}", str(cfg),

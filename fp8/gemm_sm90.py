@@ -441,26 +441,35 @@ if HAS_GLUON:
             mbarrier.invalidate(ready.index(i))
 
 
-    # ------------------------------------------------------------------ the warp-specialised dense kernel
+    # ------------------------------------------------------------ the warp-specialised dense / grouped kernel
     @gluon.jit
-    def _ws_loader(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                   NUM_PROGRAMS: gl.constexpr):  # fmt: skip
+    def _ws_num_tiles(M, N, G, tiles_ptr, MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The output tiles: DENSE a grid over [M, N]; GROUPED the experts' row tiles (a device-side count)."""
+        if MODE == 1:
+            return gl.load(tiles_ptr + G) * gl.cdiv(N, BLOCK_N)
+        else:
+            return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+
+    @gluon.jit
+    def _ws_loader(a_desc, b_desc, a_smem, b_smem, ready, empty, offs_ptr, tiles_ptr, M, N, K, G,
+                   MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                   STEPS: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
         """The loader warp: the A and B boxes of every (tile, K block) of the program, in the consumers' order,
         into buffer `it % STAGES` once both consumers released its previous use (empty), signalled on ready."""
         num_kb = gl.cdiv(K, 128)
-        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
         it = 0
-        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        for tile in range(gl.program_id(0), _ws_num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N), NUM_PROGRAMS):
+            row0, _, pid_n, g, _, _ = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M, BLOCK_N,
+                                              GROUP_M, STEPS)  # fmt: skip
+            b_row = g * N + pid_n * BLOCK_N  # GROUPED: expert g's rows of the stacked weights (g = 0 if DENSE)
             for kb in range(num_kb):
                 s = it % STAGES
                 # a fresh barrier counts as released: its phase "before 0" is complete
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * 128], bar, a_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * 128], bar, b_smem.index(s))
+                tma.async_copy_global_to_shared(a_desc, [row0, kb * 128], bar, a_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * 128], bar, b_smem.index(s))
                 it += 1
 
     @gluon.jit
@@ -474,32 +483,34 @@ if HAS_GLUON:
         return part
 
     @gluon.jit
-    def _ws_consumer(a_smem, b_smem, c_smem, c_desc, ready, empty, as_ptr, bs_ptr, M, N, K, stride_asm, stride_ask,
-                     stride_bsn, stride_bsk, WG: gl.constexpr, B_BLOCKWISE: gl.constexpr, CARRY: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    def _ws_consumer(a_smem, b_smem, c_ptr, c_smem, c_desc, ready, empty, as_ptr, bs_ptr, offs_ptr, tiles_ptr, M, N,
+                     K, G, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk, WG: gl.constexpr,
+                     MODE: gl.constexpr, B_BLOCKWISE: gl.constexpr, CARRY: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
                      NUM_PROGRAMS: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows WG·HALF… of every tile of the program. Per K block: wait for the buffer,
         wgmma, wait for it, release the buffer, promote (CARRY: the next block's wgmma is issued before this
         block's promotion, which then overlaps it). No barrier between the two consumers: one's promotion
-        overlaps the other's wgmma."""
+        overlaps the other's wgmma. DENSE stores by TMA; GROUPED by a masked store of the rows before the
+        expert's segment end (the next rows are another expert's)."""
         HALF: gl.constexpr = BLOCK_M // 2
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 32])  # fmt: skip
         zero = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
         num_kb = gl.cdiv(K, 128)
-        num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
         it = 0
-        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-            pid_m, pid_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            row0 = pid_m * BLOCK_M + WG * HALF
+        for tile in range(gl.program_id(0), _ws_num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N), NUM_PROGRAMS):
+            tile_row0, row_end, pid_n, g, _, _ = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M,
+                                                         BLOCK_N, GROUP_M, STEPS)  # fmt: skip
+            row0 = tile_row0 + WG * HALF
             sa_offs = _a_scale_offsets(row0, M, stride_asm, HALF, mma_layout)
             acc = zero
             if CARRY:
                 prev = _ws_block_product(a_smem, b_smem, ready, empty, it % STAGES, (it // STAGES) & 1, zero, WG,
                                          HALF)  # fmt: skip
                 prev_sa = gl.load(as_ptr + sa_offs)
-                prev_sb = _b_scales(bs_ptr, 0, pid_n, 0, N, 0, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
-                                    mma_layout)  # fmt: skip
+                prev_sb = _b_scales(bs_ptr, g, pid_n, 0, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE,
+                                    BLOCK_N, mma_layout)  # fmt: skip
                 it += 1
                 for kb in range(1, num_kb):
                     s = it % STAGES
@@ -508,8 +519,8 @@ if HAS_GLUON:
                                         b_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
                     acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
                     prev_sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
-                    prev_sb = _b_scales(bs_ptr, 0, pid_n, kb, N, 0, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
-                                        mma_layout)  # fmt: skip
+                    prev_sb = _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE,
+                                        BLOCK_N, mma_layout)  # fmt: skip
                     prev = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
                     mbarrier.arrive(empty.index(s), count=1)
                     it += 1
@@ -517,40 +528,42 @@ if HAS_GLUON:
             else:
                 for kb in range(num_kb):
                     sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
-                    sb = _b_scales(bs_ptr, 0, pid_n, kb, N, 0, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N,
-                                   mma_layout)  # fmt: skip
+                    sb = _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE,
+                                   BLOCK_N, mma_layout)  # fmt: skip
                     part = _ws_block_product(a_smem, b_smem, ready, empty, it % STAGES, (it // STAGES) & 1, zero,
                                              WG, HALF)  # fmt: skip
                     acc = _promote(acc, part, sa, sb, B_BLOCKWISE)
                     it += 1
-            tma.store_wait(0)  # the previous tile's store has read c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+            _store_tile(acc, c_ptr, c_desc, c_smem, row0, row_end, pid_n, 0, M, N, stride_cm, MODE, HALF, BLOCK_N,
+                        mma_layout)  # fmt: skip
         tma.store_wait(0)
 
     @gluon.jit
     def _fp8_gemm_sm90_ws_kernel(
-        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
-        stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsn, stride_bsk,
-        B_BLOCKWISE: gl.constexpr, CARRY: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        LOADER_REGISTERS: gl.constexpr,
+        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, offs_ptr, tiles_ptr, M, N, K, G, B_ROWS,
+        stride_am, stride_bn, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn, stride_bsk,
+        MODE: gl.constexpr, B_BLOCKWISE: gl.constexpr, CARRY: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr,
+        NUM_PROGRAMS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     ):  # fmt: skip
-        """The dense C = A·Bᵀ of `_fp8_gemm_sm90_kernel` (DENSE mode), warp-specialised: the default partition
-        and worker 0 are the two consumer warpgroups, worker 1 the loader warp. Ready barriers count the TMA
-        bytes; empty barriers count two arrivals (one per consumer)."""
+        """`_fp8_gemm_sm90_kernel`'s DENSE and GROUPED modes, warp-specialised: the default partition and worker
+        0 are the two consumer warpgroups, worker 1 the loader warp. Ready barriers count the TMA bytes; empty
+        barriers count two arrivals (one per consumer)."""
         HALF: gl.constexpr = BLOCK_M // 2
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.float8e4nv)
         b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], gl.float8e4nv)
         c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_N], c_ptr.dtype.element_ty)
         a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, 128], a_layout)
-        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, 128], b_layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [B_ROWS, K], [stride_bn, 1], [BLOCK_N, 128], b_layout)
         c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HALF, BLOCK_N], c_layout)
         a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, 128], a_layout)
         b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, 128], b_layout)
-        c0_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
-        c1_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
+        if MODE == 1:  # masked register stores: the staging buffer is never used
+            c0_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
+            c1_smem = c0_smem
+        else:
+            c0_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
+            c1_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [HALF, BLOCK_N], c_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -558,14 +571,16 @@ if HAS_GLUON:
             mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize(
             [
-                (_ws_consumer, (a_smem, b_smem, c0_smem, c_desc, ready, empty, as_ptr, bs_ptr, M, N, K, stride_asm,
-                                stride_ask, stride_bsn, stride_bsk, 0, B_BLOCKWISE, CARRY, BLOCK_M, BLOCK_N, GROUP_M,
-                                STAGES, NUM_PROGRAMS)),
-                (_ws_consumer, (a_smem, b_smem, c1_smem, c_desc, ready, empty, as_ptr, bs_ptr, M, N, K, stride_asm,
-                                stride_ask, stride_bsn, stride_bsk, 1, B_BLOCKWISE, CARRY, BLOCK_M, BLOCK_N, GROUP_M,
-                                STAGES, NUM_PROGRAMS)),
-                (_ws_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, BLOCK_M, BLOCK_N, GROUP_M,
-                              STAGES, NUM_PROGRAMS)),
+                (_ws_consumer, (a_smem, b_smem, c_ptr, c0_smem, c_desc, ready, empty, as_ptr, bs_ptr, offs_ptr,
+                                tiles_ptr, M, N, K, G, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
+                                stride_bsk, 0, MODE, B_BLOCKWISE, CARRY, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES,
+                                NUM_PROGRAMS)),
+                (_ws_consumer, (a_smem, b_smem, c_ptr, c1_smem, c_desc, ready, empty, as_ptr, bs_ptr, offs_ptr,
+                                tiles_ptr, M, N, K, G, stride_cm, stride_asm, stride_ask, stride_bsg, stride_bsn,
+                                stride_bsk, 1, MODE, B_BLOCKWISE, CARRY, BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES,
+                                NUM_PROGRAMS)),
+                (_ws_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, offs_ptr, tiles_ptr, M, N, K, G, MODE,
+                              BLOCK_M, BLOCK_N, GROUP_M, STEPS, STAGES, NUM_PROGRAMS)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGISTERS],
@@ -585,18 +600,19 @@ def _check_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     set_descriptor_allocator()
 
 
-def _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise: bool, config: Sm90GemmConfig) -> None:
-    """The warp-specialised dense kernel on TMA-readable a [M, K], b [N, K], c [M, N]."""
+def _launch_ws(a, b2, c, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
+               config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
+    """The warp-specialised kernel (DENSE or GROUPED mode) on TMA-readable a [M, K], b2 [B_ROWS, K], c [M, N]."""
     if config.block_m != 128:
         raise ValueError(f"the warp-specialised kernel takes 128-row tiles (two 64-row consumers), got "
                          f"block_m={config.block_m}")  # fmt: skip
-    _check_tma(a, b, c)
-    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device))
+    _check_tma(a, b2, c)
     _fp8_gemm_sm90_ws_kernel[(progs,)](
-        a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale.stride(0),
-        a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), B_BLOCKWISE=b_blockwise, CARRY=config.carry,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STAGES=config.stages,
-        NUM_PROGRAMS=progs, CONSUMER_REGS=config.consumer_regs, LOADER_REGISTERS=LOADER_REGS, num_warps=4,
+        a, b2, c, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], a.stride(0), b2.stride(0), c.stride(0),
+        a_scale.stride(0), a_scale.stride(1), *b_scale_strides, MODE=mode, B_BLOCKWISE=b_blockwise,
+        CARRY=config.carry, BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
+        STEPS=max(1, (max(g, 2) - 1).bit_length()), STAGES=config.stages, NUM_PROGRAMS=progs,
+        CONSUMER_REGS=config.consumer_regs, LOADER_REGISTERS=LOADER_REGS, num_warps=4,
     )  # fmt: skip
 
 
@@ -636,12 +652,11 @@ def fp8_gemm_sm90(
         return c.zero_()
     if b_blockwise and config.block_n != 128:
         raise ValueError("the 128x128-scaled B needs block_n = 128 (one scale per tile and K block)")
-    if config.warp_specialized:
-        _launch_ws(a, b, c, a_scale, b_scale, m, n, k, b_blockwise, config)
-        return c
-    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device) * config.programs_per_sm)
-    _launch(a, b, c, a_scale, b_scale, a_scale, a_scale, m, n, k, 1, b_blockwise, DENSE, progs, config,
-            (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
+    per_sm = 1 if config.warp_specialized else config.programs_per_sm
+    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device) * per_sm)
+    launch = _launch_ws if config.warp_specialized else _launch
+    launch(a, b, c, a_scale, b_scale, a_scale, a_scale, m, n, k, 1, b_blockwise, DENSE, progs, config,
+           (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
     return c
 
 
@@ -664,14 +679,14 @@ def grouped_gemm_sm90(
     segments are left unwritten."""
     m, k = a.shape
     g, n, _ = b.shape
-    if config.warp_specialized:
-        raise ValueError("the warp-specialised Gluon kernel runs dense GEMMs only")
     if config.block_n != 128 or n % config.block_n:
         raise ValueError(f"the grouped kernel needs block_n = 128 dividing N, got {config.block_n} and N={n}")
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    progs = max(1, min(max_tiles, num_sms(a.device) * config.programs_per_sm))
-    _launch(a, b.view(g * n, k), c, a_scale, b_scale, offsets, tiles, m, n, k, g, True, GROUPED, progs, config,
-            (b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)))  # fmt: skip
+    per_sm = 1 if config.warp_specialized else config.programs_per_sm
+    progs = max(1, min(max_tiles, num_sms(a.device) * per_sm))
+    launch = _launch_ws if config.warp_specialized else _launch
+    launch(a, b.view(g * n, k), c, a_scale, b_scale, offsets, tiles, m, n, k, g, True, GROUPED, progs, config,
+           (b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)))  # fmt: skip
     return c
 
 
@@ -693,7 +708,8 @@ def grouped_gemm_wgrad_sm90(
     k = b.shape[0]
     g = out.shape[0]
     if config.warp_specialized:
-        raise ValueError("the warp-specialised Gluon kernel runs dense GEMMs only")
+        raise ValueError("the warp-specialised Gluon kernel runs the dense and grouped forward/dgrad GEMMs, not the "
+                         "k-grouped wgrad")  # fmt: skip
     if n % config.block_m:
         raise ValueError(f"the wgrad kernel needs block_m = {config.block_m} dividing N, got N={n}")
     tiles = g * cdiv(n, config.block_m) * cdiv(k, config.block_n)

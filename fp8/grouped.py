@@ -616,8 +616,9 @@ class GroupedConfig:
     fprop: GroupedGemmConfig = GroupedGemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, programs_per_sm=3,
                                                  prefetch_scales=True)  # fmt: skip
     wgrad: GroupedGemmConfig = GroupedGemmConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2)
-    # on sm_90 GPUs: the Gluon tiles of all three GEMMs; None (the default): the Triton ones, faster forward/dgrad
-    # as measured (docs/benchmarks.md, 2026-12-05)
+    # on sm_90 GPUs: the Gluon tiles of all three GEMMs (the warp-specialised kernel: forward/dgrad only, the wgrad
+    # then as if None); None (the default): the Triton ones, faster forward/dgrad as measured (docs/benchmarks.md,
+    # 2026-12-05)
     sm90: Sm90GemmConfig | None = None
     # on sm_90 GPUs, where `sm90` is None: the wgrad's Gluon tiles when the experts average at most
     # `sm90_wgrad_max_blocks` 128-token blocks each (its flat (tile, K block) pipeline prefetches across the short
@@ -756,10 +757,11 @@ def grouped_gemm_wgrad(
 
 
 def wgrad_sm90_config(tuning: GroupedConfig, rows: GroupedRows) -> Sm90GemmConfig | None:
-    """The Gluon tiles the wgrad asks for on an sm_90 GPU (None: the Triton kernel): `tuning.sm90` when set, else
-    `tuning.sm90_wgrad` when the experts' token blocks, `rows.max_blocks()` (a host-side bound: no sync), average at
-    most `tuning.sm90_wgrad_max_blocks` per expert. The caller still checks the GPU and the operands."""
-    if tuning.sm90 is not None:
+    """The Gluon tiles the wgrad asks for on an sm_90 GPU (None: the Triton kernel): `tuning.sm90` when set (and not
+    the warp-specialised kernel, which runs forward/dgrad only), else `tuning.sm90_wgrad` when the experts' token
+    blocks, `rows.max_blocks()` (a host-side bound: no sync), average at most `tuning.sm90_wgrad_max_blocks` per
+    expert. The caller still checks the GPU and the operands."""
+    if tuning.sm90 is not None and not tuning.sm90.warp_specialized:
         return tuning.sm90
     if tuning.sm90_wgrad is not None and rows.max_blocks() <= tuning.sm90_wgrad_max_blocks * rows.num_groups:
         return tuning.sm90_wgrad

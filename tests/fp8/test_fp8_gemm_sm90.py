@@ -104,7 +104,7 @@ def test_sm90_gemm_refuses_wide_tiles_for_128x128_scales_and_rows_tma_cannot_rea
 
 
 def test_the_warp_specialized_kernel_refuses_what_it_does_not_run():
-    """128-row tiles only (two 64-row consumers), dense GEMMs only, TMA-readable operands only."""
+    """128-row tiles only (two 64-row consumers), TMA-readable operands only, not the k-grouped wgrad."""
     _needs_sm90()
     a, a_s, b, b_s = _operands(256, 256, 256, True)
     with pytest.raises(ValueError, match="128-row tiles"):
@@ -112,10 +112,11 @@ def test_the_warp_specialized_kernel_refuses_what_it_does_not_run():
     a2, a2_s, b2, b2_s = _operands(333, 256, 200, True)
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         fp8_gemm_sm90(a2, a2_s, b2, b2_s, config=Sm90GemmConfig(warp_specialized=True))
-    offsets = torch.tensor([0, 256], device="cuda", dtype=torch.int32)
-    with pytest.raises(ValueError, match="dense GEMMs only"):
-        grouped_gemm_sm90(a, a_s, b.unsqueeze(0), b_s.unsqueeze(0), offsets, offsets // 128, 2,
-                          config=Sm90GemmConfig(warp_specialized=True))  # fmt: skip
+    blocks = torch.tensor([0, 2], device="cuda", dtype=torch.int32)
+    out = torch.empty(1, 256, 256, device="cuda")
+    with pytest.raises(ValueError, match="not the k-grouped wgrad"):
+        grouped_gemm_wgrad_sm90(a.t().contiguous(), a_s, b, b_s, blocks, out,
+                                config=Sm90GemmConfig(warp_specialized=True))  # fmt: skip
 
 
 # segment lengths: empty experts, ones shorter than a tile, one over two 128-row tiles (tests/fp8/test_fp8_grouped.py)
@@ -124,14 +125,18 @@ LENGTHS = [0, 37, 5, 0, 130, 1, 64, 16, 0, 261]
 
 @pytest.mark.parametrize("alignment", [1, 16])
 @pytest.mark.parametrize("n,k", [(256, 384), (128, 1024)])
-def test_sm90_grouped_gemm_gives_the_triton_kernels_bits(alignment, n, k):
+@pytest.mark.parametrize("cfg", [Sm90GemmConfig(), Sm90GemmConfig(warp_specialized=True),
+                                 Sm90GemmConfig(warp_specialized=True, carry=True, stages=3)],
+                         ids=["default", "warp-specialized", "warp-specialized-carry-3-stages"])  # fmt: skip
+def test_sm90_grouped_gemm_gives_the_triton_kernels_bits(alignment, n, k, cfg):
+    """Forward and dgrad; the warp-specialised kernel's consumers store their 64-row halves masked at the segment
+    end (LENGTHS has segments shorter than a half, and one across two tiles)."""
     _needs_sm90()
     torch.manual_seed(alignment + n)
     rows, segs = layout(LENGTHS, alignment, "cuda")
     g = len(LENGTHS)
     x_q, x_s = quantize_1x128(data_rows(segs, rows.num_rows, k, "cuda", 2.0))
     w_q, w_s = quantize_expert_weights(torch.randn(g, n, k, device="cuda") * 0.02)
-    cfg = Sm90GemmConfig()
     out = grouped_gemm_sm90(x_q, x_s, w_q, w_s, rows.offsets, rows.block_offsets(cfg.block_m),
                             rows.max_blocks(cfg.block_m) * (n // cfg.block_n), config=cfg)  # fmt: skip
     ref = grouped_gemm(x_q, x_s, w_q, w_s, rows)

@@ -229,7 +229,8 @@ def test_the_wgrad_asks_for_the_gluon_tiles_only_where_expert_segments_are_short
     """GroupedConfig.sm90_wgrad (the Gluon wgrad on sm_90, where it measured faster): the dispatch's rows of Ling's
     top-8 routing over 256 experts at 4,096 and 16,384 tokens (about 2 and 5 token blocks per expert) and 64 experts
     at 4,096 tokens (5) take it, 64 experts at 16,384 tokens (17 blocks) keep the Triton wgrad; a set
-    GroupedConfig.sm90 wins; None turns it off; the interpreter never asks for it (Gluon does not run there)."""
+    GroupedConfig.sm90 wins unless it is the warp-specialised kernel; None turns it off; the interpreter never asks
+    for it (Gluon does not run there)."""
     cfg = GroupedConfig()
     assert cfg.sm90_wgrad is not None
 
@@ -243,5 +244,9 @@ def test_the_wgrad_asks_for_the_gluon_tiles_only_where_expert_segments_are_short
     assert wgrad_sm90_config(cfg, long_segments) is None
     forced = Sm90GemmConfig(stages=3)
     assert wgrad_sm90_config(dataclasses.replace(cfg, sm90=forced), long_segments) is forced
+    # the warp-specialised kernel runs forward/dgrad only: the wgrad then follows the default's rule
+    ws = Sm90GemmConfig(warp_specialized=True)
+    assert wgrad_sm90_config(dataclasses.replace(cfg, sm90=ws), long_segments) is None
+    assert wgrad_sm90_config(dataclasses.replace(cfg, sm90=ws), rows(4096, 256)) is cfg.sm90_wgrad
     assert wgrad_sm90_config(dataclasses.replace(cfg, sm90_wgrad=None), rows(4096, 256)) is None
     assert GROUPED_TUNING.interpreter.sm90_wgrad is None

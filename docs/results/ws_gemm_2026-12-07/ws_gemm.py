@@ -1,6 +1,7 @@
 """Experiment (fourteenth session): the warp-specialised Gluon dense GEMM (fp8/gemm_sm90.py,
 Sm90GemmConfig.warp_specialized) against our Triton kernel (the default) and cuBLAS's blockwise scaled_mm, on the
-Ling shapes' forward, dgrad and bf16 wgrad, every output compared bit for bit with the Triton kernel's.
+Ling shapes' forward, dgrad and bf16 wgrad, every output compared bit for bit with the Triton kernel's; and the
+experts' grouped forward/dgrad (GROUPED=0 skips them).
 
 Run on the GPU: python scratch/ws_gemm.py
 """
@@ -18,9 +19,13 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 
 from bench_fp8_linear import SHAPES, cublas_blockwise, gemm_operands  # noqa: E402
+from bench_moe import INTER, TOPK, H, routing  # noqa: E402
 
+from fp8 import grouped as G  # noqa: E402
 from fp8.gemm import GEMM_TUNING, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
 from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90  # noqa: E402
+from fp8.quant import quantize_1x128  # noqa: E402
+from model.dispatch import plan_dispatch  # noqa: E402
 
 VARIANTS_ALL = {
     "ws s4": Sm90GemmConfig(warp_specialized=True),
@@ -37,7 +42,37 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def grouped_rows() -> tuple[list[list[str]], int]:
+    """The experts' forward/dgrad GEMMs (gate_up fwd, down fwd, gate_up dgrad) at 16,384 tokens, top-8 of 64 and of
+    256 experts: the default (Triton) against the warp-specialised variants, the bits of every segment compared."""
+    out, bad = [], 0
+    for experts in (64, 256):
+        idx, _ = routing(16384, experts)
+        rows = plan_dispatch(idx, experts, 16).rows
+        segs = rows.offsets.tolist()
+        for n, k in ((2 * INTER, H), (H, INTER), (H, 2 * INTER)):
+            xq, xs = quantize_1x128(torch.randn(rows.num_rows, k, device="cuda", dtype=torch.bfloat16))
+            wq, ws = G.quantize_expert_weights(torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16))
+            flops = 2.0 * 16384 * TOPK * n * k
+            fn = functools.partial(G.grouped_gemm, xq, xs, wq, ws, rows)
+            ref = fn()
+            row = [f"16384/{experts}", f"N={n} K={k}", f"{flops / bench(fn) / 1e9:.0f}"]
+            for cfg in VARIANTS.values():
+                try:
+                    with G.GROUPED_TUNING.override(sm90=cfg):
+                        got = fn()
+                        same = all(torch.equal(got[lo:hi], ref[lo:hi]) for lo, hi in zip(segs[:-1], segs[1:]))
+                        bad += not same
+                        row.append(f"{flops / bench(fn) / 1e9:.0f}{'' if same else ' BITS!'}")
+                except Exception as e:  # noqa: BLE001
+                    row.append(f"err {type(e).__name__}: {str(e)[:80]}")
+            out.append(row)
+            print(" | ".join(row), flush=True)
+    return out, bad
+
+
 def main() -> None:
+    grows, gbad = grouped_rows() if os.environ.get("GROUPED", "1") == "1" else ([], 0)
     rows, bad = [], 0
     tokens = [int(t) for t in os.environ.get("TOKENS", "16384,4096").split(",")]
     for m in tokens:
@@ -65,7 +100,12 @@ def main() -> None:
                         row.append(f"err {type(e).__name__}: {str(e)[:80]}")
                 rows.append(row)
                 print(" | ".join(row), flush=True)
-    print(f"\nbit mismatches: {bad}")
+    print(f"\nbit mismatches: {bad} dense, {gbad} grouped")
+    head = ["tokens/experts", "GEMM", "ours (Triton)", *VARIANTS]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in grows:
+        print("| " + " | ".join(r) + " |")
     head = ["tokens", "shape", "GEMM", "ours (Triton)", "cuBLAS blockwise", *VARIANTS]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
