@@ -30,13 +30,14 @@ shapes and 0.53-0.65x on the grouped ones (one program per SM leaves the tensor 
 the Triton kernels' two or three resident programs cover), so `fp8.gemm` and `fp8.grouped` run it only when
 asked (`GemmChoice.sm90`, `GroupedConfig.sm90`).
 
-Warp-specialised dense kernel (`Sm90GemmConfig.warp_specialized`, dense GEMMs only): the same tiles' maths split
-over three partitions (`gl.warp_specialize`): a one-warp loader streams the A and B boxes of every (tile, K block)
+Warp-specialised kernel (`Sm90GemmConfig.warp_specialized`; DENSE and GROUPED, not WGRAD): the same tiles' maths
+split over three partitions (`gl.warp_specialize`): a one-warp loader streams the A and B boxes of every (tile, K block)
 by TMA into STAGES buffers (a ready barrier per buffer counts the bytes; an empty barrier counts two releases), and
 two consumer warpgroups each own one 64-row half of every 128-row tile: wait for the buffer, wgmma, wait for it,
 release the buffer, promote. The consumers never wait for each other, so one's promotion runs while the other's
-wgmma does (CUTLASS's and DeepGEMM's cooperative schedule); each stores its half through its own shared buffer.
-The same products in the same K order: the Triton kernels' bits.
+wgmma does (CUTLASS's and DeepGEMM's cooperative schedule); each stores its half through its own shared buffer
+(GROUPED: a masked store at the segment end). The same products in the same K order: the Triton kernels' bits.
+Not yet measured on a GPU (docs/kernel_tuning.md), so nothing runs it unless asked.
 
 Defined only where Triton ships Gluon's Hopper language (`HAS_GLUON`); `sm90_available(t)` says whether the
 kernels can run on a tensor's device. Gluon kernels do not run in Triton's CPU interpreter: the CPU path and
@@ -84,10 +85,11 @@ __all__ = [
 class Sm90GemmConfig:
     """Tiles of the Gluon kernel: BLOCK_M rows (16 per warp), BLOCK_N columns, STAGES operand buffers.
 
-    `warp_specialized` (dense GEMMs only): the warp-specialised kernel instead (see "Warp-specialised dense
-    kernel" in the module doc): 128-row tiles, two consumer warpgroups of 4 warps and a loader warp (num_warps
-    and programs_per_sm are then ignored: one program per SM); `carry`: its consumers issue each K block's wgmma
-    before promoting the previous block's product; `consumer_regs`: the registers each consumer thread may use."""
+    `warp_specialized` (dense and grouped forward/dgrad GEMMs): the warp-specialised kernel instead (see
+    "Warp-specialised kernel" in the module doc): 128-row tiles, two consumer warpgroups of 4 warps and a loader
+    warp (num_warps and programs_per_sm are then ignored: one program per SM); `carry`: its consumers issue each K
+    block's wgmma before promoting the previous block's product; `consumer_regs`: the registers each consumer
+    thread may use."""
 
     block_m: int = 128
     block_n: int = 128
