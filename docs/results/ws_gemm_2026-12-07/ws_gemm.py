@@ -42,6 +42,22 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
+def cell(fn, same_bits, flops: float) -> tuple[str, bool]:
+    """The variant's TFLOPS (flagged where its bits differ from the Triton kernel's), or its error."""
+    try:
+        same = same_bits(fn())
+        return f"{flops / bench(fn) / 1e9:.0f}{'' if same else ' BITS!'}", not same
+    except Exception as e:  # noqa: BLE001
+        return f"err {type(e).__name__}: {str(e)[:80]}", False
+
+
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def grouped_rows() -> tuple[list[list[str]], int]:
     """The experts' forward/dgrad GEMMs (gate_up fwd, down fwd, gate_up dgrad) at 16,384 tokens, top-8 of 64 and of
     256 experts: the default (Triton) against the warp-specialised variants, the bits of every segment compared."""
@@ -57,15 +73,13 @@ def grouped_rows() -> tuple[list[list[str]], int]:
             fn = functools.partial(G.grouped_gemm, xq, xs, wq, ws, rows)
             ref = fn()
             row = [f"16384/{experts}", f"N={n} K={k}", f"{flops / bench(fn) / 1e9:.0f}"]
+            same_bits = lambda got: all(torch.equal(got[lo:hi], ref[lo:hi])  # noqa: E731,B023
+                                        for lo, hi in zip(segs[:-1], segs[1:]))  # noqa: B023
             for cfg in VARIANTS.values():
-                try:
-                    with G.GROUPED_TUNING.override(sm90=cfg):
-                        got = fn()
-                        same = all(torch.equal(got[lo:hi], ref[lo:hi]) for lo, hi in zip(segs[:-1], segs[1:]))
-                        bad += not same
-                        row.append(f"{flops / bench(fn) / 1e9:.0f}{'' if same else ' BITS!'}")
-                except Exception as e:  # noqa: BLE001
-                    row.append(f"err {type(e).__name__}: {str(e)[:80]}")
+                with G.GROUPED_TUNING.override(sm90=cfg):
+                    text, differs = cell(fn, same_bits, flops)
+                row.append(text)
+                bad += differs
             out.append(row)
             print(" | ".join(row), flush=True)
     return out, bad
@@ -91,26 +105,15 @@ def main() -> None:
                     t_cub = float("nan")
                 row = [str(m), name, kind, f"{flops / t_ours / 1e9:.0f}", f"{flops / t_cub / 1e9:.0f}"]
                 for cfg in VARIANTS.values():
-                    try:
-                        fn = functools.partial(fp8_gemm_sm90, a, a_s, b, b_s, od, b_blockwise=bw, config=cfg)
-                        same = torch.equal(fn(), ref)
-                        bad += not same
-                        row.append(f"{flops / bench(fn) / 1e9:.0f}{'' if same else ' BITS!'}")
-                    except Exception as e:  # noqa: BLE001
-                        row.append(f"err {type(e).__name__}: {str(e)[:80]}")
+                    fn = functools.partial(fp8_gemm_sm90, a, a_s, b, b_s, od, b_blockwise=bw, config=cfg)
+                    text, differs = cell(fn, lambda got: torch.equal(got, ref), flops)  # noqa: B023
+                    row.append(text)
+                    bad += differs
                 rows.append(row)
                 print(" | ".join(row), flush=True)
     print(f"\nbit mismatches: {bad} dense, {gbad} grouped")
-    head = ["tokens/experts", "GEMM", "ours (Triton)", *VARIANTS]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for r in grows:
-        print("| " + " | ".join(r) + " |")
-    head = ["tokens", "shape", "GEMM", "ours (Triton)", "cuBLAS blockwise", *VARIANTS]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print_table(["tokens/experts", "GEMM", "ours (Triton)", *VARIANTS], grows)
+    print_table(["tokens", "shape", "GEMM", "ours (Triton)", "cuBLAS blockwise", *VARIANTS], rows)
 
 
 if __name__ == "__main__":
