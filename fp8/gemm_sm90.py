@@ -101,6 +101,11 @@ class Sm90GemmConfig:
     carry: bool = False
     consumer_regs: int = 232
 
+    @property
+    def resident_programs(self) -> int:
+        """Programs per SM of the launch: one for the warp-specialised kernel, else `programs_per_sm`."""
+        return 1 if self.warp_specialized else self.programs_per_sm
+
 
 SM90_CONFIG = Sm90GemmConfig()  # the tiles of every GEMM it runs (the defaults above)
 # 64x128 tiles of one warpgroup, two resident programs per SM: the tiles of the expert wgrad of short segments
@@ -186,6 +191,17 @@ if HAS_GLUON:
             kb0 = g
             nkb = num_kb + g
         return row0, row_end, pid_n, g, kb0, nkb
+
+    @gluon.jit
+    def _num_tiles(M, N, G, tiles_ptr, MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The output tiles of a MODE (see `_decode`): DENSE a grid over [M, N]; GROUPED the experts' row tiles
+        (a device-side count); WGRAD every (expert, row tile, column tile)."""
+        if MODE == 1:
+            return gl.load(tiles_ptr + G) * gl.cdiv(N, BLOCK_N)
+        elif MODE == 2:
+            return G * gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        else:
+            return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
 
     @gluon.jit
     def _next_step(kb, tile, row0, row_end, pid_n, g, kb0, nkb, num_tiles, M, N, G, num_kb, offs_ptr, tiles_ptr,
@@ -348,12 +364,7 @@ if HAS_GLUON:
         zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_layout)
         num_kb = gl.cdiv(K, BLOCK_K)
         pid = gl.program_id(0)
-        if MODE == 1:
-            num_tiles = gl.load(tiles_ptr + G) * gl.cdiv(N, BLOCK_N)
-        elif MODE == 2:
-            num_tiles = G * gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        else:
-            num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        num_tiles = _num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N)
         # this program's (tile, K block) steps; none for a program past the (GROUPED: device-side) tile count
         if MODE == 2:  # K blocks vary by expert: count them, and give the experts without tokens zero tiles
             total = pid * 0
@@ -445,14 +456,6 @@ if HAS_GLUON:
 
     # ------------------------------------------------------------ the warp-specialised dense / grouped kernel
     @gluon.jit
-    def _ws_num_tiles(M, N, G, tiles_ptr, MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The output tiles: DENSE a grid over [M, N]; GROUPED the experts' row tiles (a device-side count)."""
-        if MODE == 1:
-            return gl.load(tiles_ptr + G) * gl.cdiv(N, BLOCK_N)
-        else:
-            return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-
-    @gluon.jit
     def _ws_loader(a_desc, b_desc, a_smem, b_smem, ready, empty, offs_ptr, tiles_ptr, M, N, K, G,
                    MODE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                    STEPS: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr):  # fmt: skip
@@ -460,7 +463,7 @@ if HAS_GLUON:
         into buffer `it % STAGES` once both consumers released its previous use (empty), signalled on ready."""
         num_kb = gl.cdiv(K, 128)
         it = 0
-        for tile in range(gl.program_id(0), _ws_num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N), NUM_PROGRAMS):
+        for tile in range(gl.program_id(0), _num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N), NUM_PROGRAMS):
             row0, _, pid_n, g, _, _ = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M, BLOCK_N,
                                               GROUP_M, STEPS)  # fmt: skip
             b_row = g * N + pid_n * BLOCK_N  # GROUPED: expert g's rows of the stacked weights (g = 0 if DENSE)
@@ -475,14 +478,26 @@ if HAS_GLUON:
                 it += 1
 
     @gluon.jit
-    def _ws_block_product(a_smem, b_smem, ready, empty, s, phase, zero, WG: gl.constexpr, HALF: gl.constexpr):
-        """This consumer's [HALF, BLOCK_N] product of the K block in buffer s, complete; the buffer released."""
+    def _ws_issue(a_smem, b_smem, ready, s, phase, zero, WG: gl.constexpr, HALF: gl.constexpr):
+        """Once buffer s is loaded: this consumer's [HALF, BLOCK_N] wgmma of its K block, issued asynchronously."""
         mbarrier.wait(ready.index(s), phase)
-        part = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF, dim=0), b_smem.index(s).permute((1, 0)), zero,
+        return warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF, dim=0), b_smem.index(s).permute((1, 0)), zero,
                              use_acc=False, is_async=True)  # fmt: skip
+
+    @gluon.jit
+    def _ws_complete(part, empty, s):
+        """The product of `_ws_issue`, complete; buffer s released (its refill waits for both consumers)."""
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         mbarrier.arrive(empty.index(s), count=1)
         return part
+
+    @gluon.jit
+    def _ws_scales(as_ptr, sa_offs, stride_ask, bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk,
+                   B_BLOCKWISE: gl.constexpr, BLOCK_N: gl.constexpr, mma_layout: gl.constexpr):  # fmt: skip
+        """K block kb's scales of this consumer's rows (A) and of the tile's columns (B)."""
+        sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
+        sb = _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N, mma_layout)
+        return sa, sb
 
     @gluon.jit
     def _ws_consumer(a_smem, b_smem, c_ptr, c_smem, c_desc, ready, empty, as_ptr, bs_ptr, offs_ptr, tiles_ptr, M, N,
@@ -501,39 +516,34 @@ if HAS_GLUON:
         zero = gl.zeros([HALF, BLOCK_N], gl.float32, mma_layout)
         num_kb = gl.cdiv(K, 128)
         it = 0
-        for tile in range(gl.program_id(0), _ws_num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N), NUM_PROGRAMS):
+        for tile in range(gl.program_id(0), _num_tiles(M, N, G, tiles_ptr, MODE, BLOCK_M, BLOCK_N), NUM_PROGRAMS):
             tile_row0, row_end, pid_n, g, _, _ = _decode(tile, M, N, G, num_kb, offs_ptr, tiles_ptr, MODE, BLOCK_M,
                                                          BLOCK_N, GROUP_M, STEPS)  # fmt: skip
             row0 = tile_row0 + WG * HALF
             sa_offs = _a_scale_offsets(row0, M, stride_asm, HALF, mma_layout)
             acc = zero
             if CARRY:
-                prev = _ws_block_product(a_smem, b_smem, ready, empty, it % STAGES, (it // STAGES) & 1, zero, WG,
-                                         HALF)  # fmt: skip
-                prev_sa = gl.load(as_ptr + sa_offs)
-                prev_sb = _b_scales(bs_ptr, g, pid_n, 0, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE,
-                                    BLOCK_N, mma_layout)  # fmt: skip
+                s = it % STAGES
+                prev = _ws_complete(_ws_issue(a_smem, b_smem, ready, s, (it // STAGES) & 1, zero, WG, HALF), empty, s)
+                prev_sa, prev_sb = _ws_scales(as_ptr, sa_offs, stride_ask, bs_ptr, g, pid_n, 0, N, stride_bsg,
+                                              stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N, mma_layout)  # fmt: skip
                 it += 1
                 for kb in range(1, num_kb):
                     s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    cur = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF, dim=0),
-                                        b_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+                    cur = _ws_issue(a_smem, b_smem, ready, s, (it // STAGES) & 1, zero, WG, HALF)
                     acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
-                    prev_sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
-                    prev_sb = _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE,
-                                        BLOCK_N, mma_layout)  # fmt: skip
-                    prev = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-                    mbarrier.arrive(empty.index(s), count=1)
+                    prev_sa, prev_sb = _ws_scales(as_ptr, sa_offs, stride_ask, bs_ptr, g, pid_n, kb, N, stride_bsg,
+                                                  stride_bsn, stride_bsk, B_BLOCKWISE, BLOCK_N, mma_layout)  # fmt: skip
+                    prev = _ws_complete(cur, empty, s)
                     it += 1
                 acc = _promote(acc, prev, prev_sa, prev_sb, B_BLOCKWISE)
             else:
                 for kb in range(num_kb):
-                    sa = gl.load(as_ptr + sa_offs + kb * stride_ask)
-                    sb = _b_scales(bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn, stride_bsk, B_BLOCKWISE,
-                                   BLOCK_N, mma_layout)  # fmt: skip
-                    part = _ws_block_product(a_smem, b_smem, ready, empty, it % STAGES, (it // STAGES) & 1, zero,
-                                             WG, HALF)  # fmt: skip
+                    sa, sb = _ws_scales(as_ptr, sa_offs, stride_ask, bs_ptr, g, pid_n, kb, N, stride_bsg, stride_bsn,
+                                        stride_bsk, B_BLOCKWISE, BLOCK_N, mma_layout)  # fmt: skip
+                    s = it % STAGES
+                    part = _ws_complete(_ws_issue(a_smem, b_smem, ready, s, (it // STAGES) & 1, zero, WG, HALF),
+                                        empty, s)  # fmt: skip
                     acc = _promote(acc, part, sa, sb, B_BLOCKWISE)
                     it += 1
             _store_tile(acc, c_ptr, c_desc, c_smem, row0, row_end, pid_n, 0, M, N, stride_cm, MODE, HALF, BLOCK_N,
@@ -602,32 +612,33 @@ def _check_tma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     set_descriptor_allocator()
 
 
-def _launch_ws(a, b2, c, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
-               config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
-    """The warp-specialised kernel (DENSE or GROUPED mode) on TMA-readable a [M, K], b2 [B_ROWS, K], c [M, N]."""
+def _launch(a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
+            config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
+    """a [M, K], b2 [B_ROWS, K] and c2 [C_ROWS, N]: the 2-D views the kernel's TMA descriptors read and write; the
+    warp-specialised kernel where `config` asks for it (DENSE and GROUPED, 128-row tiles)."""
+    steps = max(1, (max(g, 2) - 1).bit_length())
+    if not config.warp_specialized:
+        _check_tma(a, b2, c2)
+        _fp8_gemm_sm90_kernel[(progs,)](
+            a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], c2.shape[0],
+            a.stride(0), b2.stride(0), c2.stride(0), a_scale.stride(0), a_scale.stride(1), *b_scale_strides,
+            B_BLOCKWISE=b_blockwise, MODE=mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            GROUP_M=config.group_m, STEPS=steps, STAGES=config.stages, NUM_PROGRAMS=progs, num_warps=config.num_warps,
+        )  # fmt: skip
+        return
+    if mode == WGRAD:
+        raise ValueError("the warp-specialised Gluon kernel runs the dense and grouped forward/dgrad GEMMs, not the "
+                         "k-grouped wgrad")  # fmt: skip
     if config.block_m != 128:
         raise ValueError(f"the warp-specialised kernel takes 128-row tiles (two 64-row consumers), got "
                          f"block_m={config.block_m}")  # fmt: skip
-    _check_tma(a, b2, c)
-    _fp8_gemm_sm90_ws_kernel[(progs,)](
-        a, b2, c, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], a.stride(0), b2.stride(0), c.stride(0),
-        a_scale.stride(0), a_scale.stride(1), *b_scale_strides, MODE=mode, B_BLOCKWISE=b_blockwise,
-        CARRY=config.carry, BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m,
-        STEPS=max(1, (max(g, 2) - 1).bit_length()), STAGES=config.stages, NUM_PROGRAMS=progs,
-        CONSUMER_REGS=config.consumer_regs, LOADER_REGISTERS=LOADER_REGS, num_warps=4,
-    )  # fmt: skip
-
-
-def _launch(a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b_blockwise: bool, mode: int, progs: int,
-            config: Sm90GemmConfig, b_scale_strides: tuple[int, int, int]) -> None:  # fmt: skip
-    """a [M, K], b2 [B_ROWS, K] and c2 [C_ROWS, N]: the 2-D views the kernel's TMA descriptors read and write."""
     _check_tma(a, b2, c2)
-    _fp8_gemm_sm90_kernel[(progs,)](
-        a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], c2.shape[0],
-        a.stride(0), b2.stride(0), c2.stride(0), a_scale.stride(0), a_scale.stride(1), *b_scale_strides,
-        B_BLOCKWISE=b_blockwise, MODE=mode, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP_M=config.group_m, STEPS=max(1, (max(g, 2) - 1).bit_length()), STAGES=config.stages,
-        NUM_PROGRAMS=progs, num_warps=config.num_warps,
+    _fp8_gemm_sm90_ws_kernel[(progs,)](
+        a, b2, c2, a_scale, b_scale, offsets, tiles, m, n, k, g, b2.shape[0], a.stride(0), b2.stride(0),
+        c2.stride(0), a_scale.stride(0), a_scale.stride(1), *b_scale_strides, MODE=mode, B_BLOCKWISE=b_blockwise,
+        CARRY=config.carry, BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP_M=config.group_m, STEPS=steps,
+        STAGES=config.stages, NUM_PROGRAMS=progs, CONSUMER_REGS=config.consumer_regs,
+        LOADER_REGISTERS=LOADER_REGS, num_warps=4,
     )  # fmt: skip
 
 
@@ -654,11 +665,9 @@ def fp8_gemm_sm90(
         return c.zero_()
     if b_blockwise and config.block_n != 128:
         raise ValueError("the 128x128-scaled B needs block_n = 128 (one scale per tile and K block)")
-    per_sm = 1 if config.warp_specialized else config.programs_per_sm
-    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device) * per_sm)
-    launch = _launch_ws if config.warp_specialized else _launch
-    launch(a, b, c, a_scale, b_scale, a_scale, a_scale, m, n, k, 1, b_blockwise, DENSE, progs, config,
-           (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
+    progs = min(cdiv(m, config.block_m) * cdiv(n, config.block_n), num_sms(a.device) * config.resident_programs)
+    _launch(a, b, c, a_scale, b_scale, a_scale, a_scale, m, n, k, 1, b_blockwise, DENSE, progs, config,
+            (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
     return c
 
 
@@ -684,11 +693,9 @@ def grouped_gemm_sm90(
     if config.block_n != 128 or n % config.block_n:
         raise ValueError(f"the grouped kernel needs block_n = 128 dividing N, got {config.block_n} and N={n}")
     c = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    per_sm = 1 if config.warp_specialized else config.programs_per_sm
-    progs = max(1, min(max_tiles, num_sms(a.device) * per_sm))
-    launch = _launch_ws if config.warp_specialized else _launch
-    launch(a, b.view(g * n, k), c, a_scale, b_scale, offsets, tiles, m, n, k, g, True, GROUPED, progs, config,
-           (b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)))  # fmt: skip
+    progs = max(1, min(max_tiles, num_sms(a.device) * config.resident_programs))
+    _launch(a, b.view(g * n, k), c, a_scale, b_scale, offsets, tiles, m, n, k, g, True, GROUPED, progs, config,
+            (b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)))  # fmt: skip
     return c
 
 
@@ -709,13 +716,10 @@ def grouped_gemm_wgrad_sm90(
     n, cols = a.shape
     k = b.shape[0]
     g = out.shape[0]
-    if config.warp_specialized:
-        raise ValueError("the warp-specialised Gluon kernel runs the dense and grouped forward/dgrad GEMMs, not the "
-                         "k-grouped wgrad")  # fmt: skip
     if n % config.block_m:
         raise ValueError(f"the wgrad kernel needs block_m = {config.block_m} dividing N, got N={n}")
     tiles = g * cdiv(n, config.block_m) * cdiv(k, config.block_n)
-    progs = max(1, min(tiles, num_sms(a.device) * config.programs_per_sm))
+    progs = max(1, min(tiles, num_sms(a.device) * config.resident_programs))
     _launch(a, b, out.view(g * n, k), a_scale, b_scale, blocks, blocks, n, k, cols, g, False, WGRAD, progs, config,
             (0, b_scale.stride(0), b_scale.stride(1)))  # fmt: skip
     return out
