@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.config import DataConfig, SourceConfig, TokenizerConfig
 from data.synthetic import SyntheticLoader
 from fp8.adam import ROUNDINGS
+from fp8.kernel_choice import GEMM_KERNELS
 from fp8.monitor import KINDS, MonitorConfig
 from ling.analysis.profiling import StepProfiler
 from ling.config import FRESH, MOE_KEYS, fp8_ablation, model_config_from, resolve_device
@@ -188,7 +189,7 @@ SPEC: dict[str, Any] = {
     "precision": {"name": one_of("bf16", "fp8")},
     "fp8": {
         "recipe": one_of("blockwise", "tensorwise"), "pow2_scales": flag(), "expert_wgrad": one_of(*EXPERT_WGRAD),
-        "health_every": integer(0), "ablate": list_of(text()),
+        "gemm_kernel": one_of(*GEMM_KERNELS), "health_every": integer(0), "ablate": list_of(text()),
         "monitor": {"thresholds": {kind: {stat: number(0, null=True) for stat in stats}
                                    for kind, stats in KINDS.items()},
                     "recompute_dw": flag(), "fallback": flag()},

@@ -31,6 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from data import batch_to_device, build_loaders
+from fp8.kernel_choice import gemm_kernels
 from fp8.monitor import FP8Monitor, MonitorConfig
 from ling.analysis.evaluate import evaluate
 from ling.analysis.profiling import GRAD_REDUCE_SCOPE, OPTIMIZER_SCOPE, StepProfiler
@@ -116,6 +117,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None, *,
                 raise ValueError(f"train.on_locked={cfg.train.on_locked!r} is unknown (known: fail, wait)")
             run_dir.mkdir(parents=True, exist_ok=True)
             stack.enter_context(deterministic_mode(bool(cfg.train.get("deterministic", False))))  # before any GEMM
+            stack.enter_context(gemm_kernels(str(cfg.fp8.get("gemm_kernel", "triton"))))  # every GEMM of the run
             stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
             logs.attach_file(run_dir / "train.log")  # only now: a refused run writes nothing into the run dir
             if rank == 0:

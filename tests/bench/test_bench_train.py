@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, load_bench
+from ling.config_check import config_problems
+from tests.helpers import ROOT, compose_cfg, load_bench
 
 
 def test_variant_specs():
@@ -36,6 +37,17 @@ def test_variant_specs():
     for bad in ("fp9", "fp8@", "fp8@0", "fp8@x", "fp8@maximum", "bf16_nomtp_nomtp", "fp8+half", "fp8+"):
         with pytest.raises(SystemExit, match="--variants"):
             bench.parse_variant(bad, 1)
+
+
+def test_every_variant_is_a_valid_run_config():
+    """A variant's overrides pass the run-config check (a typo in a row would otherwise fail minutes into a GPU
+    call)."""
+    bench = load_bench("bench_train")
+    args = type("Args", (), {"micro": 1, "recompute": "none", "deepspeed": "zero1", "extra": ""})()
+    for name in bench.VARIANTS:
+        problems = config_problems(compose_cfg(bench.variant_overrides(name, args)[1]), 1)
+        # on this CPU machine: the CUDA-graph rows need a GPU (said as a problem of model.cuda_graphs)
+        assert [p for p in problems if not p.startswith("model.cuda_graphs")] == [], name
 
 
 def test_largest_micro_batch_search_doubles_until_oom_then_bisects():

@@ -98,6 +98,7 @@ def test_the_tests_run_configs_pass():
     (["precision=fp8", "model.hidden_size=192"],
      "model.hidden_size: must be a multiple of 128 for the blockwise FP8 experts, got 192"),
     (["fp8.ablate=[fwd_q]"], "fp8.ablate: unknown component(s) ['fwd_q']"),
+    (["precision=fp8", "fp8.gemm_kernel=cublas"], "fp8.gemm_kernel: must be one of triton, gluon_ws; got 'cublas'"),
     (["model.num_heads=3", "model.num_kv_heads=1"], "model.num_heads: num_heads=3 does not divide hidden_size=128"),
     (["data=synthetic", "data.vocab_size=2000", "model.vocab_size=1024"],
      "model.vocab_size=1024 is smaller than the tokenizer's vocab"),

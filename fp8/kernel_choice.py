@@ -1,0 +1,36 @@
+"""`fp8.gemm_kernel`: which GEMM kernels a run's FP8 layers launch (the same bits either way).
+
+- "triton": the Triton kernels of fp8/gemm.py and fp8/grouped.py everywhere (the default).
+- "gluon_ws": on sm_90 GPUs, the warp-specialised Gluon kernel of fp8/gemm_sm90.py (`SM90_WARP_SPECIALIZED`: a TMA
+  loader warp and two consumer warpgroups) for the dense GEMMs (forward, dgrad, wgrad) and the routed experts'
+  grouped forward and dgrad; the experts' k-grouped wgrad keeps its own rule (`fp8.grouped.wgrad_sm90_config`).
+  Where the Gluon kernel cannot run (another GPU, CPU, operands TMA cannot read, a few rows) the Triton kernels do.
+
+`gemm_kernels(name)` holds the choice for a block: the kernels' `Tuning` overrides are process-wide, so the
+autograd engine's backward threads see it too (kernels/tuning.py). `train()` holds it for the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from fp8.gemm import GEMM_TUNING
+from fp8.gemm_sm90 import SM90_WARP_SPECIALIZED
+from fp8.grouped import GROUPED_TUNING
+
+__all__ = ["GEMM_KERNELS", "gemm_kernels"]
+
+GEMM_KERNELS = ("triton", "gluon_ws")
+
+
+@contextlib.contextmanager
+def gemm_kernels(name: str) -> Iterator[None]:
+    """Inside the block, the FP8 GEMMs launch the kernels `name` picks (one of GEMM_KERNELS)."""
+    if name not in GEMM_KERNELS:
+        raise ValueError(f"fp8.gemm_kernel={name!r} is unknown (known: {', '.join(GEMM_KERNELS)})")
+    if name == "triton":
+        yield
+        return
+    with GEMM_TUNING.override(sm90=SM90_WARP_SPECIALIZED), GROUPED_TUNING.override(sm90=SM90_WARP_SPECIALIZED):
+        yield
