@@ -31,6 +31,7 @@ from fp8 import gemm as G  # noqa: E402
 from fp8.gemm import GEMM_TUNING, GemmConfig, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
 from fp8.gemm_sm90 import SM90_CONFIG, SM90_SMALL_TILES, SM90_WARP_SPECIALIZED, sm90_available  # noqa: E402
 from fp8.health import relative_error  # noqa: E402
+from fp8.kernel_choice import gemm_kernels  # noqa: E402
 from fp8.linear import FP8Linear, invalidate_fp8_weight_caches  # noqa: E402
 from fp8.quant import (  # noqa: E402
     QUANT_TUNING,
@@ -285,6 +286,17 @@ def cuda_graph_step(step):
     return graph.replay
 
 
+WS_LAYER = "ours FP8Linear, Gluon warp-specialised"
+
+
+def _within(kernel: str, step):
+    """`step` with its FP8 GEMMs on `kernel` (fp8.gemm_kernel's choices) on every call."""
+    def run():
+        with gemm_kernels(kernel):
+            return step()
+    return run
+
+
 def run_layers(m: int, log: dict) -> list[list[str]]:
     rows = []
     try:
@@ -302,6 +314,7 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
         ours = FP8Linear(k, n, device="cuda", dtype=torch.bfloat16)
         ours.load_state_dict(base.state_dict())
         layers["ours FP8Linear"] = ours
+        layers[WS_LAYER] = ours  # the same layer, its GEMMs on the warp-specialised Gluon kernel (fp8.gemm_kernel)
         if Float8BlockwiseLinear is not None:
             for ut in (False, True):
                 try:
@@ -313,9 +326,11 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
         res = {}
         for lname, layer in layers.items():
 
-            step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
+            kernel = "gluon_ws" if lname == WS_LAYER else "triton"
+            step = _within(kernel, layer_step(layer, x, g))  # FP8: the weight quantization counts in every step
             try:
-                y = layer(x)
+                with gemm_kernels(kernel):
+                    y = layer(x)
                 err = float(relative_error(y, ref_y))
                 del y
                 ms = bench_ms(step)
@@ -330,8 +345,8 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
                 if isinstance(layer, FP8Linear):  # the same step replayed as one CUDA graph: no host overhead
                     replay = cuda_graph_step(step)
                     gms = bench_ms(replay)
-                    res["ours FP8Linear, CUDA graph"] = (gms, err, sb, gms)
-                    print(f"  {name:8s} ours, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
+                    res[f"{lname}, CUDA graph"] = (gms, err, sb, gms)
+                    print(f"  {name:8s} {lname}, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:8s} {lname} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         bf = res.get("bf16 nn.Linear", (float("nan"),) * 4)
