@@ -1,11 +1,13 @@
-"""`fp8.gemm_kernel`: which GEMM kernels a run's FP8 layers launch (the same bits either way).
+"""`fp8.gemm_kernel`: which GEMM kernels a run's FP8 layers launch (the same bits whichever runs).
 
-- "triton": the Triton kernels of fp8/gemm.py and fp8/grouped.py everywhere (the default).
+- "auto" (the default): each kernel family's own default (fp8/gemm.py, fp8/grouped.py): the Triton kernels, and on
+  sm_90 GPUs the Gluon kernel for the experts' weight gradient where their token segments are short.
+- "triton": the Triton kernels everywhere, no Gluon kernel at all (e.g. to rule the Gluon kernels out).
 - "gluon_ws": on sm_90 GPUs, the warp-specialised Gluon kernel of fp8/gemm_sm90.py (`SM90_WARP_SPECIALIZED`: a TMA
   loader warp and two consumer warpgroups) for the dense GEMMs (forward, dgrad, wgrad) and the routed experts'
   grouped forward and dgrad; the experts' k-grouped wgrad keeps its own rule (`fp8.grouped.wgrad_sm90_config`).
-  Where the Gluon kernel cannot run (another GPU, CPU, operands TMA cannot read, a few rows) the Triton kernels do.
 
+Where a Gluon kernel cannot run (another GPU, CPU, operands TMA cannot read, a few rows) the Triton kernels do.
 `gemm_kernels(name)` holds the choice for a block: the kernels' `Tuning` overrides are process-wide, so the
 autograd engine's backward threads see it too (kernels/tuning.py). `train()` holds it for the whole run.
 """
@@ -21,7 +23,7 @@ from fp8.grouped import GROUPED_TUNING
 
 __all__ = ["GEMM_KERNELS", "gemm_kernels"]
 
-GEMM_KERNELS = ("triton", "gluon_ws")
+GEMM_KERNELS = ("auto", "triton", "gluon_ws")
 
 
 @contextlib.contextmanager
@@ -29,8 +31,10 @@ def gemm_kernels(name: str) -> Iterator[None]:
     """Inside the block, the FP8 GEMMs launch the kernels `name` picks (one of GEMM_KERNELS)."""
     if name not in GEMM_KERNELS:
         raise ValueError(f"fp8.gemm_kernel={name!r} is unknown (known: {', '.join(GEMM_KERNELS)})")
-    if name == "triton":
+    if name == "auto":
         yield
         return
-    with GEMM_TUNING.override(sm90=SM90_WARP_SPECIALIZED), GROUPED_TUNING.override(sm90=SM90_WARP_SPECIALIZED):
+    sm90 = SM90_WARP_SPECIALIZED if name == "gluon_ws" else None
+    grouped = {"sm90": sm90} if name == "gluon_ws" else {"sm90": None, "sm90_wgrad": None}
+    with GEMM_TUNING.override(sm90=sm90), GROUPED_TUNING.override(**grouped):
         yield

@@ -117,7 +117,7 @@ def train(cfg: DictConfig, run_dir: Path | None = None, *,
                 raise ValueError(f"train.on_locked={cfg.train.on_locked!r} is unknown (known: fail, wait)")
             run_dir.mkdir(parents=True, exist_ok=True)
             stack.enter_context(deterministic_mode(bool(cfg.train.get("deterministic", False))))  # before any GEMM
-            stack.enter_context(gemm_kernels(str(cfg.fp8.get("gemm_kernel", "triton"))))  # every GEMM of the run
+            stack.enter_context(gemm_kernels(str(cfg.fp8.get("gemm_kernel", "auto"))))  # every GEMM of the run
             stack.enter_context(locked_run_dir(run_dir, wait=cfg.train.on_locked == "wait"))
             logs.attach_file(run_dir / "train.log")  # only now: a refused run writes nothing into the run dir
             if rank == 0:

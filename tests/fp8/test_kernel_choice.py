@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from fp8.gemm import GEMM_TUNING
-from fp8.gemm_sm90 import SM90_WARP_SPECIALIZED
+from fp8.gemm_sm90 import SM90_SMALL_TILES, SM90_WARP_SPECIALIZED
 from fp8.grouped import GROUPED_TUNING
 from fp8.kernel_choice import GEMM_KERNELS, gemm_kernels
 from ling.train.engine import build_engine
@@ -17,30 +17,44 @@ from ling.train.trainer import train
 from tests.helpers import CONF
 
 
-def _choices() -> tuple[object, object]:
-    return GEMM_TUNING.current().sm90, GROUPED_TUNING.current().sm90
+def _choices() -> tuple[object, object, object]:
+    grouped = GROUPED_TUNING.current()
+    return GEMM_TUNING.current().sm90, grouped.sm90, grouped.sm90_wgrad
+
+
+@pytest.fixture(autouse=True)
+def gpu_defaults():
+    """The GPU defaults in force (under the CPU interpreter the grouped kernels' defaults turn the Gluon wgrad off)."""
+    with GROUPED_TUNING.override(GROUPED_TUNING.default):
+        yield
+
+
+DEFAULTS = (None, None, SM90_SMALL_TILES)  # the Triton kernels; the Gluon wgrad of short segments on sm_90
+GLUON_WS = (SM90_WARP_SPECIALIZED, SM90_WARP_SPECIALIZED, SM90_SMALL_TILES)
 
 
 def test_gluon_ws_picks_the_warp_specialised_kernel_in_every_thread_and_is_undone():
-    before = _choices()
-    assert before == (None, None)  # the default: the Triton kernels
+    assert _choices() == DEFAULTS
     seen = []
     with gemm_kernels("gluon_ws"):
         worker = threading.Thread(target=lambda: seen.append(_choices()))  # as a backward thread would see it
         worker.start()
         worker.join()
-        assert _choices() == (SM90_WARP_SPECIALIZED, SM90_WARP_SPECIALIZED)
-    assert seen == [(SM90_WARP_SPECIALIZED, SM90_WARP_SPECIALIZED)]
-    assert _choices() == before
+        assert _choices() == GLUON_WS
+    assert seen == [GLUON_WS]
+    assert _choices() == DEFAULTS
 
 
-def test_triton_changes_nothing_and_an_unknown_name_is_refused_naming_the_key():
+def test_auto_keeps_the_defaults_triton_turns_every_gluon_kernel_off_and_unknown_names_are_refused():
+    with gemm_kernels("auto"):
+        assert _choices() == DEFAULTS
     with gemm_kernels("triton"):
-        assert _choices() == (None, None)
-    with pytest.raises(ValueError, match=r"fp8.gemm_kernel='cublas' is unknown \(known: triton, gluon_ws\)"):
+        assert _choices() == (None, None, None)
+    assert _choices() == DEFAULTS
+    with pytest.raises(ValueError, match=r"fp8.gemm_kernel='cublas' is unknown \(known: auto, triton, gluon_ws\)"):
         with gemm_kernels("cublas"):
             pass
-    assert GEMM_KERNELS == ("triton", "gluon_ws")
+    assert GEMM_KERNELS == ("auto", "triton", "gluon_ws")
 
 
 def test_a_run_holds_the_choice_while_it_builds_and_trains(tmp_path):
@@ -56,5 +70,5 @@ def test_a_run_holds_the_choice_while_it_builds_and_trains(tmp_path):
             "train.seq_len=32", "model.num_layers=1", "logging.wandb.mode=disabled", "logging.progress_bar=false",
             "train.save_final=false", "train.resume=none"])
     train(cfg, run_dir=tmp_path, build_engine=build)
-    assert seen == [(SM90_WARP_SPECIALIZED, SM90_WARP_SPECIALIZED)]
-    assert _choices() == (None, None)  # undone when the run ends
+    assert seen == [GLUON_WS]
+    assert _choices() == DEFAULTS  # undone when the run ends
