@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fp8_linear import SM90_SWEEP, gpu_busy_ms  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
+from fp8.kernel_choice import gemm_kernels  # noqa: E402
 from fp8.quant import QUANT_TUNING, fp8_transpose_128x128, quantize_1x128  # noqa: E402
 from kernels.routing import select_experts, select_experts_ref  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
@@ -251,7 +252,7 @@ def correctness(tokens: int, experts: int) -> dict:
 
 def layer_rows(tokens: int, experts: int) -> list[dict]:
     """MoE layer forward+backward: bf16, FP8 with padding, FP8 without, FP8 with the Triton expert wgrad where the
-    default takes the Gluon one, FP8 with the bf16 expert wgrad
+    default takes the Gluon one, FP8 with the bf16 expert wgrad, FP8 on the warp-specialised Gluon GEMMs
     (`fp8.expert_wgrad=bf16`), and bf16 / FP8 replayed from CUDA graphs (`model.cuda_graphs`: the layer's forward
     and backward captured by `model.graphs.LayerGraphs`). Saved activations via saved-tensor hooks (the eager
     forward's, also for the graphed rows)."""
@@ -261,13 +262,16 @@ def layer_rows(tokens: int, experts: int) -> list[dict]:
                 "fp8, padding off": base.replace(precision="fp8", pad_for_fp8=False),
                 "fp8, Triton wgrad": base.replace(precision="fp8"),
                 "fp8, bf16 wgrad": base.replace(precision="fp8", fp8_expert_wgrad="bf16"),
-                "bf16, CUDA graph": base, "fp8, CUDA graph": base.replace(precision="fp8")}  # fmt: skip
+                "fp8, gluon_ws": base.replace(precision="fp8"),
+                "bf16, CUDA graph": base, "fp8, CUDA graph": base.replace(precision="fp8"),
+                "fp8, gluon_ws, CUDA graph": base.replace(precision="fp8")}  # fmt: skip
     torch.manual_seed(0)
     state = None
     for name, cfg in variants.items():
         # "fp8, Triton wgrad": the expert wgrad on the Triton kernel also where the default takes the Gluon one
         tuning = {"sm90_wgrad": None} if name == "fp8, Triton wgrad" else {}
-        with G.GROUPED_TUNING.override(**tuning):
+        # "fp8, gluon_ws": the warp-specialised Gluon GEMMs (fp8.gemm_kernel=gluon_ws)
+        with G.GROUPED_TUNING.override(**tuning), gemm_kernels("gluon_ws" if "gluon_ws" in name else "auto"):
             results.append(layer_variant(name, cfg, tokens, experts, state, graphed=name.endswith("CUDA graph")))
         state = results[-1].pop("state")
         torch.cuda.empty_cache()
