@@ -56,7 +56,7 @@ VARIANTS = {
     "fp8_graphs": ["precision=fp8", "optim=fp8_adamw", "model.cuda_graphs=true"],
     "bf16_graphs": ["precision=bf16", "optim=adamw", "model.cuda_graphs=true"],
     "fp8_bf16wgrad_graphs": ["precision=fp8", "optim=fp8_adamw", "fp8.expert_wgrad=bf16", "model.cuda_graphs=true"],
-    # the warp-specialised Gluon GEMM (fp8.gemm_kernel=gluon_ws; the Triton kernels off sm_90 GPUs)
+    # the warp-specialised Gluon GEMM for the dense forward/dgrad (fp8.gemm_kernel=gluon_ws; Triton off sm_90 GPUs)
     "fp8_ws": ["precision=fp8", "optim=fp8_adamw", "fp8.gemm_kernel=gluon_ws"],
     "fp8_ws_graphs": ["precision=fp8", "optim=fp8_adamw", "fp8.gemm_kernel=gluon_ws", "model.cuda_graphs=true"],
     "fp8_linear_only": ["precision=fp8", "optim=adamw"],

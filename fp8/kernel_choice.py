@@ -4,8 +4,9 @@
   sm_90 GPUs the Gluon kernel for the experts' weight gradient where their token segments are short.
 - "triton": the Triton kernels everywhere, no Gluon kernel at all (e.g. to rule the Gluon kernels out).
 - "gluon_ws": on sm_90 GPUs, the warp-specialised Gluon kernel of fp8/gemm_sm90.py (`SM90_WARP_SPECIALIZED`: a TMA
-  loader warp and two consumer warpgroups) for the dense GEMMs (forward, dgrad, wgrad) and the routed experts'
-  grouped forward and dgrad; the experts' k-grouped wgrad keeps its own rule (`fp8.grouped.wgrad_sm90_config`).
+  loader warp and two consumer warpgroups) for the dense forward and dgrad GEMMs, where it ran 1.17-1.36x the
+  Triton kernel's rate; the dense wgrad and the experts' grouped GEMMs stay on their defaults, where it measured
+  slower (docs/kernel_tuning.md, 2026-12-07).
 
 Where a Gluon kernel cannot run (another GPU, CPU, operands TMA cannot read, a few rows) the Triton kernels do.
 `gemm_kernels(name)` holds the choice for a block: the kernels' `Tuning` overrides are process-wide, so the
@@ -34,7 +35,9 @@ def gemm_kernels(name: str) -> Iterator[None]:
     if name == "auto":
         yield
         return
-    sm90 = SM90_WARP_SPECIALIZED if name == "gluon_ws" else None
-    grouped = {"sm90": sm90} if name == "gluon_ws" else {"sm90": None, "sm90_wgrad": None}
-    with GEMM_TUNING.override(sm90=sm90), GROUPED_TUNING.override(**grouped):
+    if name == "gluon_ws":
+        with GEMM_TUNING.override(fprop=SM90_WARP_SPECIALIZED):
+            yield
+        return
+    with GEMM_TUNING.override(sm90=None), GROUPED_TUNING.override(sm90=None, sm90_wgrad=None):
         yield

@@ -17,9 +17,10 @@ from ling.train.trainer import train
 from tests.helpers import CONF
 
 
-def _choices() -> tuple[object, object, object]:
-    grouped = GROUPED_TUNING.current()
-    return GEMM_TUNING.current().sm90, grouped.sm90, grouped.sm90_wgrad
+def _choices() -> tuple[object, ...]:
+    """(dense forward/dgrad forced, dense any kind on sm_90, grouped on sm_90, grouped wgrad of short segments)"""
+    dense, grouped = GEMM_TUNING.current(), GROUPED_TUNING.current()
+    return dense.fprop, dense.sm90, grouped.sm90, grouped.sm90_wgrad
 
 
 @pytest.fixture(autouse=True)
@@ -29,11 +30,11 @@ def gpu_defaults():
         yield
 
 
-DEFAULTS = (None, None, SM90_SMALL_TILES)  # the Triton kernels; the Gluon wgrad of short segments on sm_90
-GLUON_WS = (SM90_WARP_SPECIALIZED, SM90_WARP_SPECIALIZED, SM90_SMALL_TILES)
+DEFAULTS = (None, None, None, SM90_SMALL_TILES)  # the Triton kernels; the Gluon wgrad of short segments on sm_90
+GLUON_WS = (SM90_WARP_SPECIALIZED, None, None, SM90_SMALL_TILES)  # the dense forward and dgrad only
 
 
-def test_gluon_ws_picks_the_warp_specialised_kernel_in_every_thread_and_is_undone():
+def test_gluon_ws_puts_the_dense_forward_and_dgrad_on_the_warp_specialised_kernel_in_every_thread_and_is_undone():
     assert _choices() == DEFAULTS
     seen = []
     with gemm_kernels("gluon_ws"):
@@ -49,7 +50,7 @@ def test_auto_keeps_the_defaults_triton_turns_every_gluon_kernel_off_and_unknown
     with gemm_kernels("auto"):
         assert _choices() == DEFAULTS
     with gemm_kernels("triton"):
-        assert _choices() == (None, None, None)
+        assert _choices() == (None, None, None, None)
     assert _choices() == DEFAULTS
     with pytest.raises(ValueError, match=r"fp8.gemm_kernel='cublas' is unknown \(known: auto, triton, gluon_ws\)"):
         with gemm_kernels("cublas"):
