@@ -111,8 +111,9 @@ SM90_CONFIG = Sm90GemmConfig()  # the tiles of every GEMM it runs (the defaults 
 # 64x128 tiles of one warpgroup, two resident programs per SM: the tiles of the expert wgrad of short segments
 # (fp8/grouped.py: GroupedConfig.sm90_wgrad)
 SM90_SMALL_TILES = Sm90GemmConfig(block_m=64, num_warps=4, programs_per_sm=2)
-# the warp-specialised dense kernel (measured in docs/kernel_tuning.md; not a default)
-SM90_WARP_SPECIALIZED = Sm90GemmConfig(warp_specialized=True)
+# the warp-specialised kernel (fp8.gemm_kernel=gluon_ws; not a default): the carried product measured faster on 11
+# of the 12 Ling forward/dgrad shapes (docs/kernel_tuning.md, 2026-12-07)
+SM90_WARP_SPECIALIZED = Sm90GemmConfig(warp_specialized=True, carry=True)
 LOADER_REGS = 40  # the warp-specialised kernel's loader warp: TMA issue and barrier waits only
 
 
