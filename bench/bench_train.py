@@ -182,7 +182,7 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
     TFLOPS and MFU per GPU) and the slowest and fastest of those steps' tokens/s (the row's spread), the peak memory
     over all steps, the optimizer state (logged once), the first and last loss; on a GPU whose clocks the trainer
     sampled (`logging.gpu_clock_interval_s`), the median of the steps' SM clocks and the mean of their power-capped
-    shares (else None)."""
+    shares (else None); on CUDA the caching allocator's release-and-retry stalls over the timed steps (else None)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows[warmup:] if r["step"] not in skip_steps] or rows
     med = lambda key: statistics.median(r[key] for r in timed if r.get(key) is not None)  # noqa: E731
@@ -190,9 +190,11 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
     step_s = [r["step_time_s"] for r in timed if r.get("step_time_s") is not None]
     clocks = [r["sm_clock_mhz"] for r in timed if r.get("sm_clock_mhz") is not None]
     capped = [r["power_capped_share"] for r in timed if r.get("power_capped_share") is not None]
+    retries = [r["alloc_retries"] for r in timed if r.get("alloc_retries") is not None]
     return {"tokens_per_s": statistics.median(speeds), "tokens_per_s_range": (min(speeds), max(speeds)),
             "sm_clock_mhz": statistics.median(clocks) if clocks else None,
             "power_capped_share": statistics.fmean(capped) if capped else None,
+            "alloc_retries": sum(retries) if retries else None,
             "step_ms": statistics.median(step_s) * 1e3 if step_s else None,
             "tflops": med("tflops_per_gpu"),
             "mfu": med("mfu") if timed[0].get("mfu") is not None else float("nan"),
@@ -203,7 +205,7 @@ def summarize_run(run_dir: Path, warmup: int, skip_steps: tuple[int, ...] = ()) 
 
 HEADER = ["variant", "micro-batch", "recompute", "tokens/s", "vs bf16", "model TFLOPS/GPU", "MFU", "peak memory GiB",
           "vs bf16", "optimizer state GiB", "loss first→last", "tokens/s, slowest–fastest timed step",
-          "SM clock MHz", "power-capped"]
+          "SM clock MHz", "power-capped", "allocator retries"]
 
 
 def table_rows(results: list[dict]) -> list[list[str]]:
@@ -225,11 +227,12 @@ def table_rows(results: list[dict]) -> list[list[str]]:
         speed, mem = (f"{r[k] / base[k]:.2f}x" if base else "" for k in ("tokens_per_s", "peak_mem_gib"))
         mfu = "n/a" if math.isnan(r["mfu"]) else f"{r['mfu']:.1%}"
         spread = "–".join(f"{v:,.0f}" for v in r["tokens_per_s_range"]) if "tokens_per_s_range" in r else ""
-        clock, capped = r.get("sm_clock_mhz"), r.get("power_capped_share")
+        clock, capped, retries = r.get("sm_clock_mhz"), r.get("power_capped_share"), r.get("alloc_retries")
         rows.append([r["variant"], str(r["micro"]), r.get("recompute", ""), f"{r['tokens_per_s']:,.0f}", speed,
                      f"{r['tflops']:.0f}", mfu, f"{r['peak_mem_gib']:.1f}", mem,
                      f"{r['optim_state_gib']:.2f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", spread,
-                     "n/a" if clock is None else f"{clock:,.0f}", "n/a" if capped is None else f"{capped:.0%}"])
+                     "n/a" if clock is None else f"{clock:,.0f}", "n/a" if capped is None else f"{capped:.0%}",
+                     "n/a" if retries is None else str(retries)])
     return rows
 
 

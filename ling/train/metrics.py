@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +45,16 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB on Linux
+
+
+def allocator_retries(device: torch.device, memory_stats: Callable[[torch.device], dict] | None = None) -> int:
+    """How often PyTorch's CUDA caching allocator has found no free block, released its cached blocks
+    (`cudaFree`, which waits for the GPU) and tried again, since the process started (0 off CUDA). A step with
+    retries stalled the host and the GPU: memory is near full or fragmented. `memory_stats`: torch.cuda.memory_stats
+    (a test's stand-in)."""
+    if device.type != "cuda":
+        return 0
+    return int((memory_stats or torch.cuda.memory_stats)(device).get("num_alloc_retries", 0))
 
 
 # DeepSpeed's fp32 master weights: ZeRO-1/2, ZeRO-3 and the BF16_Optimizer (ZeRO-0 with bf16) keep them here

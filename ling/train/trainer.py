@@ -50,7 +50,13 @@ from ling.train.guard import NonFiniteGuard, NonFiniteStop, check_engine_can_ski
 from ling.train.launch import StopRun
 from ling.train.logger import MetricsLogger, setup_logging, truncate_metrics
 from ling.train.memory_plan import MemoryPlanRefusal, plan_memory
-from ling.train.metrics import flops_per_token, optimizer_state_bytes, peak_memory_gib, peak_tflops
+from ling.train.metrics import (
+    allocator_retries,
+    flops_per_token,
+    optimizer_state_bytes,
+    peak_memory_gib,
+    peak_tflops,
+)
 from ling.train.preemption import STOP_SIGNALS, Preempted, StopSignals
 from ling.train.rundir import RunDirNotEmpty, clear_previous_run, locked_run_dir, previous_run, write_hydra_files
 from model.config import ModelConfig
@@ -366,6 +372,7 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
+        retries = allocator_retries(device)
         if self.clocks is not None:
             self.clocks.take()  # the window starts with the step
         # loss, lm, mtp, z; one stop flag per STOP_SIGNALS; "my checkpoint write is done" (NCCL: on GPU)
@@ -416,6 +423,8 @@ class Trainer:
             "tflops_per_gpu": self.flops_per_token * tokens_per_s / self.world / 1e12,
             "peak_mem_gib": peak_memory_gib(device), "skipped": skipped, "nonfinite_steps": self.guard.total,
         }
+        if device.type == "cuda":  # the caching allocator's release-and-retry stalls in this step (0: none)
+            metrics["alloc_retries"] = allocator_retries(device) - retries
         if self.peak:
             metrics["mfu"] = metrics["tflops_per_gpu"] / self.peak
         if self.clocks is not None:

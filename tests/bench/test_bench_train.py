@@ -138,19 +138,21 @@ def test_each_row_is_compared_with_the_bf16_row_of_its_micro_batch_and_mtp_setti
     assert rows["fp8+full"][4] == "" and rows["fp8+full"][2] == "full"  # no bf16 row with full recompute
     assert rows["fp8"][5:8] == ["13", "25.0%", "70.0"] and rows["fp8"][9:12] == ["1.50", "10.000→9.500", "1,200–1,400"]
     assert rows["bf16"][11] == "" and rows["bf16@2"][11] == ""  # a row without the spread (or an OOM) leaves it blank
-    assert rows["bf16"][12:] == ["n/a", "n/a"]  # no clock samples (CPU, or NVML missing)
+    assert rows["bf16"][12:] == ["n/a", "n/a", "n/a"]  # no clock samples (CPU, or NVML missing), no CUDA allocator
 
 
-def test_the_clock_columns_are_the_median_clock_and_the_mean_power_capped_share(tmp_path):
+def test_the_clock_and_allocator_columns_are_the_median_clock_the_mean_power_capped_share_and_the_retries(tmp_path):
     bench = load_bench("bench_train")
     lines = [{"step": s, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "peak_mem_gib": 1.0, "loss": 1.0,
-              "sm_clock_mhz": mhz, "power_capped_share": capped}
-             for s, (mhz, capped) in enumerate([(1980.0, 0.0), (1700.0, 1.0), (1830.0, 0.5), (1600.0, 0.9)], start=1)]
+              "sm_clock_mhz": mhz, "power_capped_share": capped, "alloc_retries": retries}
+             for s, (mhz, capped, retries) in enumerate([(1980.0, 0.0, 7), (1700.0, 1.0, 0), (1830.0, 0.5, 2),
+                                                         (1600.0, 0.9, 1)], start=1)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     summary = bench.summarize_run(tmp_path, warmup=1)  # the first step is warm-up: left out
     assert summary["sm_clock_mhz"] == 1700.0 and summary["power_capped_share"] == pytest.approx(0.8)
+    assert summary["alloc_retries"] == 3  # summed over the timed steps
     row = bench.table_rows([{**result("fp8", 1, 1300.0, 70.0), **summary}])[0]
-    assert row[-2:] == ["1,700", "80%"]
+    assert row[-3:] == ["1,700", "80%", "3"]
 
 
 def test_medians_leave_out_the_warmup_and_the_profiled_step(tmp_path):
