@@ -326,7 +326,7 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
         res = {}
         for lname, layer in layers.items():
 
-            kernel = "gluon_ws" if lname == WS_LAYER else "triton"
+            kernel = "gluon_ws" if lname == WS_LAYER else "auto"
             step = _within(kernel, layer_step(layer, x, g))  # FP8: the weight quantization counts in every step
             try:
                 with gemm_kernels(kernel):

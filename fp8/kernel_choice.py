@@ -4,7 +4,7 @@
   sm_90 GPUs the Gluon kernel for the experts' weight gradient where their token segments are short.
 - "triton": the Triton kernels everywhere, no Gluon kernel at all (e.g. to rule the Gluon kernels out).
 - "gluon_ws": on sm_90 GPUs, the warp-specialised Gluon kernel of fp8/gemm_sm90.py (`SM90_WARP_SPECIALIZED`: a TMA
-  loader warp and two consumer warpgroups) for the dense forward and dgrad GEMMs, where it ran 1.17-1.36x the
+  loader warp and two consumer warpgroups) for the dense forward and dgrad GEMMs, where it ran 1.11-1.36x the
   Triton kernel's rate; the dense wgrad and the experts' grouped GEMMs stay on their defaults, where it measured
   slower (docs/kernel_tuning.md, 2026-12-07).
 
