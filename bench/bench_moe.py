@@ -253,9 +253,9 @@ def correctness(tokens: int, experts: int) -> dict:
 def layer_rows(tokens: int, experts: int) -> list[dict]:
     """MoE layer forward+backward: bf16, FP8 with padding, FP8 without, FP8 with the Triton expert wgrad where the
     default takes the Gluon one, FP8 with the bf16 expert wgrad (`fp8.expert_wgrad=bf16`), FP8 with
-    `fp8.gemm_kernel=gluon_ws`, and bf16 / FP8 (and FP8 with gluon_ws) replayed from CUDA graphs (`model.cuda_graphs`:
-    the layer's forward and backward captured by `model.graphs.LayerGraphs`). Saved activations via saved-tensor hooks (the eager
-    forward's, also for the graphed rows)."""
+    `fp8.gemm_kernel=gluon_ws`, and bf16 / FP8 (and FP8 with gluon_ws) replayed from CUDA graphs
+    (`model.cuda_graphs`: the layer's forward and backward captured by `model.graphs.LayerGraphs`). Saved
+    activations via saved-tensor hooks (the eager forward's, also for the graphed rows)."""
     results = []
     base = ModelConfig.preset("ling_mini_2_0", num_experts=experts)
     variants = {"bf16": base, "fp8, padding on": base.replace(precision="fp8"),
