@@ -149,6 +149,9 @@ class GemmChoice:
     fprop: GemmConfig | Sm90GemmConfig | None = None  # forward and dgrad
     wgrad: GemmConfig | Sm90GemmConfig | None = None
     sm90: Sm90GemmConfig | None = None
+    # as `sm90`, for the forward and dgrad only (fp8.gemm_kernel=gluon_ws: the warp-specialised kernel, slower on
+    # the wgrad as measured)
+    sm90_fprop: Sm90GemmConfig | None = None
 
 
 GEMM_TUNING: Tuning[GemmChoice] = Tuning("fp8.gemm", GemmChoice())
@@ -157,15 +160,17 @@ AnyGemmConfig = GemmConfig | Sm90GemmConfig
 
 def _config(a: torch.Tensor, b: torch.Tensor, kind: str, config: AnyGemmConfig | None,
             out_dtype: torch.dtype) -> AnyGemmConfig:  # fmt: skip
-    """The call's `config`, else the kind's forced config of GEMM_TUNING, else the Gluon kernel on an sm_90 GPU
-    for TMA-readable operands of more than SMALL_M_ROWS rows, else the Triton default for the shape."""
+    """The call's `config`, else the kind's forced config of GEMM_TUNING, else the Gluon kernel (`sm90`, or
+    `sm90_fprop` for the forward and dgrad) on an sm_90 GPU for TMA-readable operands of more than SMALL_M_ROWS
+    rows, else the Triton default for the shape."""
     choice = GEMM_TUNING.current()
     forced = config or getattr(choice, kind)
     if forced is not None:
         return forced
     m = a.shape[0]
-    if choice.sm90 is not None and m > SMALL_M_ROWS and sm90_available(a) and tma_compatible(a, b):
-        return choice.sm90
+    sm90 = choice.sm90 or (choice.sm90_fprop if kind == "fprop" else None)
+    if sm90 is not None and m > SMALL_M_ROWS and sm90_available(a) and tma_compatible(a, b):
+        return sm90
     return default_gemm_config(m, kind, out_dtype)
 
 

@@ -8,7 +8,8 @@
   Triton kernel's rate; the dense wgrad and the experts' grouped GEMMs stay on their defaults, where it measured
   slower (docs/kernel_tuning.md, 2026-12-07).
 
-Where a Gluon kernel cannot run (another GPU, CPU, operands TMA cannot read, a few rows) the Triton kernels do.
+Where a Gluon kernel cannot run (another GPU, CPU, operands TMA cannot read, at most `fp8.gemm.SMALL_M_ROWS` rows)
+the Triton kernels do.
 `gemm_kernels(name)` holds the choice for a block: the kernels' `Tuning` overrides are process-wide, so the
 autograd engine's backward threads see it too (kernels/tuning.py). `train()` holds it for the whole run.
 """
@@ -36,7 +37,7 @@ def gemm_kernels(name: str) -> Iterator[None]:
         yield
         return
     if name == "gluon_ws":
-        with GEMM_TUNING.override(fprop=SM90_WARP_SPECIALIZED):
+        with GEMM_TUNING.override(sm90_fprop=SM90_WARP_SPECIALIZED):
             yield
         return
     with GEMM_TUNING.override(sm90=None), GROUPED_TUNING.override(sm90=None, sm90_wgrad=None):

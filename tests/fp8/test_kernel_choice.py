@@ -6,21 +6,23 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from fp8.gemm import GEMM_TUNING
+from fp8.gemm import GEMM_TUNING, SMALL_M_ROWS, _config, default_gemm_config, fp8_gemm
 from fp8.gemm_sm90 import SM90_SMALL_TILES, SM90_WARP_SPECIALIZED
 from fp8.grouped import GROUPED_TUNING
 from fp8.kernel_choice import GEMM_KERNELS, gemm_kernels
+from fp8.quant import quantize_1x128, quantize_128x128
 from ling.train.engine import build_engine
 from ling.train.trainer import train
 from tests.helpers import CONF
 
 
 def _choices() -> tuple[object, ...]:
-    """(dense forward/dgrad forced, dense any kind on sm_90, grouped on sm_90, grouped wgrad of short segments)"""
+    """(dense forward/dgrad on sm_90, dense any kind on sm_90, grouped on sm_90, grouped wgrad of short segments)"""
     dense, grouped = GEMM_TUNING.current(), GROUPED_TUNING.current()
-    return dense.fprop, dense.sm90, grouped.sm90, grouped.sm90_wgrad
+    return dense.sm90_fprop, dense.sm90, grouped.sm90, grouped.sm90_wgrad
 
 
 @pytest.fixture(autouse=True)
@@ -73,3 +75,20 @@ def test_a_run_holds_the_choice_while_it_builds_and_trains(tmp_path):
     train(cfg, run_dir=tmp_path, build_engine=build)
     assert seen == [GLUON_WS]
     assert _choices() == DEFAULTS  # undone when the run ends
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="sm_90 GPU")
+def test_gluon_ws_runs_the_big_dense_forward_and_dgrad_only_with_the_triton_bits():
+    """On an sm_90 GPU: forward/dgrad of more than SMALL_M_ROWS rows on the warp-specialised kernel, the wgrad and
+    small GEMMs on the Triton defaults; the outputs bit-equal to the Triton kernel's."""
+    a, a_s = quantize_1x128(torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16))
+    b, b_s = quantize_128x128(torch.randn(384, 512, device="cuda", dtype=torch.bfloat16))
+    small = a[:SMALL_M_ROWS]
+    with gemm_kernels("gluon_ws"):
+        assert _config(a, b, "fprop", None, torch.bfloat16) == SM90_WARP_SPECIALIZED
+        assert _config(small, b, "fprop", None, torch.bfloat16) == default_gemm_config(SMALL_M_ROWS, "fprop",
+                                                                                     torch.bfloat16)
+        assert _config(a, b, "wgrad", None, torch.float32) == default_gemm_config(1024, "wgrad", torch.float32)
+        got = fp8_gemm(a, a_s, b, b_s)
+    assert torch.equal(got, fp8_gemm(a, a_s, b, b_s))
