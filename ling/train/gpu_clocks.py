@@ -45,12 +45,14 @@ class ClockSample:
 
 class ClockSampler:
     """Calls `read()` every `interval_s` seconds on a daemon thread; `take()` summarises the samples since the last
-    `take()` and starts a new window. `read` raising stops the sampling (logged once); `take()` then returns {}."""
+    `take()` and starts a new window. `read` raising stops the sampling (logged once); `take()` then returns {}.
+    `release` (e.g. NVML's shutdown) runs once, when `close()` has stopped the thread."""
 
-    def __init__(self, read: Callable[[], ClockSample], interval_s: float) -> None:
+    def __init__(self, read: Callable[[], ClockSample], interval_s: float,
+                 release: Callable[[], None] | None = None) -> None:  # fmt: skip
         if interval_s <= 0:
             raise ValueError(f"the sampling interval must be positive, got {interval_s}")
-        self._read, self.interval_s = read, interval_s
+        self._read, self.interval_s, self._release = read, interval_s, release
         self._samples: list[ClockSample] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -68,7 +70,7 @@ class ClockSampler:
         except Exception as err:  # noqa: BLE001 - any NVML failure only turns the sampling off
             log.info("GPU clock sampling off (logging.gpu_clock_interval_s): %s", err)
             return None
-        return cls(read, interval_s)
+        return cls(read, interval_s, release=pynvml.nvmlShutdown)  # pairs nvml_reader's nvmlInit
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -94,23 +96,31 @@ class ClockSampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5 * self.interval_s + 1.0)
+        release, self._release = self._release, None
+        if release is not None and not self._thread.is_alive():  # a reading still in flight keeps NVML
+            release()
 
 
 def nvml_reader(device: torch.device) -> Callable[[], ClockSample]:
     """A reader of `device` through NVML, found by its UUID (so CUDA_VISIBLE_DEVICES' renumbering does not
-    matter). Raises when pynvml is missing or NVML cannot find the device."""
+    matter); NVML stays initialised for it (the caller shuts it down: `ClockSampler.for_device` on close). Raises
+    when pynvml is missing or NVML cannot find the device, with NVML shut down again."""
     if pynvml is None:
         raise RuntimeError("the package nvidia-ml-py (pynvml) is not installed")
     pynvml.nvmlInit()
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-    reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-        pynvml.nvmlDeviceGetCurrentClocksThrottleReasons  # the older name (NVML < 12.2)
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons  # the older name (NVML < 12.2)
 
-    def read() -> ClockSample:
-        return ClockSample(sm_mhz=float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
-                           power_w=pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,  # mW
-                           power_capped=bool(reasons(handle) & SW_POWER_CAP))
+        def read() -> ClockSample:
+            return ClockSample(sm_mhz=float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+                               power_w=pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,  # mW
+                               power_capped=bool(reasons(handle) & SW_POWER_CAP))
 
-    read()  # fail here, at start-up, rather than on the thread
+        read()  # fail here, at start-up, rather than on the thread
+    except Exception:
+        pynvml.nvmlShutdown()  # NVML counts its inits: this one is undone
+        raise
     return read

@@ -75,7 +75,7 @@ DEVICE_UUID = "5e1f0c2a-0000-4000-8000-000000000001"  # the stand-in NVML's one 
 def fake_nvml(reasons: int, *, new_name: bool = True) -> SimpleNamespace:
     """A stand-in for pynvml: one device, found by its NVML UUID, with these clocks-event reasons."""
     handle = object()
-    calls = {"init": 0}
+    calls = {"init": 0, "shutdown": 0}
 
     def by_uuid(uuid: str):
         if not calls["init"]:
@@ -87,11 +87,14 @@ def fake_nvml(reasons: int, *, new_name: bool = True) -> SimpleNamespace:
     def init():
         calls["init"] += 1
 
+    def shutdown():
+        calls["shutdown"] += 1
+
     def clock(h, kind):
         assert h is handle and kind == 1
         return 1830
 
-    nvml = SimpleNamespace(nvmlInit=init, nvmlDeviceGetHandleByUUID=by_uuid, NVML_CLOCK_SM=1,
+    nvml = SimpleNamespace(nvmlInit=init, nvmlShutdown=shutdown, nvmlDeviceGetHandleByUUID=by_uuid, NVML_CLOCK_SM=1,
                            nvmlDeviceGetClockInfo=clock, nvmlDeviceGetPowerUsage=lambda h: 698_500,  # mW
                            calls=calls)
     reasons_fn = (lambda h: reasons)
@@ -107,7 +110,10 @@ def test_no_sampler_when_off_or_on_cpu_and_a_bad_interval_is_refused(monkeypatch
     monkeypatch.setattr(gpu_clocks, "pynvml", fake_nvml(0))
     sampler = ClockSampler.for_device(torch.device("cuda", 0), 0.5)  # the control: on
     assert sampler is not None
+    assert gpu_clocks.pynvml.calls == {"init": 1, "shutdown": 0}
     sampler.close()
+    sampler.close()
+    assert gpu_clocks.pynvml.calls == {"init": 1, "shutdown": 1}  # NVML shut down once, when closed
     assert ClockSampler.for_device(torch.device("cpu"), 0.5) is None
     assert ClockSampler.for_device(torch.device("cuda", 0), 0.0) is None  # off
     with pytest.raises(ValueError, match="sampling interval must be positive"):
@@ -136,6 +142,7 @@ def test_without_pynvml_or_the_device_the_sampling_is_off_and_says_why(monkeypat
     with caplog.at_level(logging.INFO, logger=gpu_clocks.__name__):
         assert ClockSampler.for_device(torch.device("cuda", 0), 0.5) is None
     assert "GPU clock sampling off (logging.gpu_clock_interval_s): NVML_ERROR_NOT_FOUND" in caplog.text
+    assert gpu_clocks.pynvml.calls == {"init": 1, "shutdown": 1}  # the failed lookup's init undone
 
 
 @pytest.mark.gpu
