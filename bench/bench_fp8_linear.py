@@ -289,14 +289,6 @@ def cuda_graph_step(step):
 WS_LAYER = "ours FP8Linear, Gluon warp-specialised"
 
 
-def _within(kernel: str, step):
-    """`step` with its FP8 GEMMs on `kernel` (fp8.gemm_kernel's choices) on every call."""
-    def run():
-        with gemm_kernels(kernel):
-            return step()
-    return run
-
-
 def run_layers(m: int, log: dict) -> list[list[str]]:
     rows = []
     try:
@@ -326,27 +318,27 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
         res = {}
         for lname, layer in layers.items():
 
-            kernel = "gluon_ws" if lname == WS_LAYER else "auto"
-            step = _within(kernel, layer_step(layer, x, g))  # FP8: the weight quantization counts in every step
+            step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
             try:
-                with gemm_kernels(kernel):
+                # the row's GEMM kernels, chosen once around all its timing (the choice holds in every thread)
+                with gemm_kernels("gluon_ws" if lname == WS_LAYER else "auto"):
                     y = layer(x)
-                err = float(relative_error(y, ref_y))
-                del y
-                ms = bench_ms(step)
-                busy = gpu_busy_ms(step)
-                sb = saved_bytes(layer, x)
-                res[lname] = (ms, err, sb, busy)
-                print(
-                    f"  {name:8s} {lname:26s} {tflops(flops, ms):7.1f} TFLOPS (GPU busy {tflops(flops, busy):.0f}) "
-                    f"fwd err {err:.2e} saved {sb / 2**20:.1f} MiB",
-                    flush=True,
-                )
-                if isinstance(layer, FP8Linear):  # the same step replayed as one CUDA graph: no host overhead
-                    replay = cuda_graph_step(step)
-                    gms = bench_ms(replay)
-                    res[f"{lname}, CUDA graph"] = (gms, err, sb, gms)
-                    print(f"  {name:8s} {lname}, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
+                    err = float(relative_error(y, ref_y))
+                    del y
+                    ms = bench_ms(step)
+                    busy = gpu_busy_ms(step)
+                    sb = saved_bytes(layer, x)
+                    res[lname] = (ms, err, sb, busy)
+                    print(
+                        f"  {name:8s} {lname:26s} {tflops(flops, ms):7.1f} TFLOPS (GPU busy {tflops(flops, busy):.0f}) "
+                        f"fwd err {err:.2e} saved {sb / 2**20:.1f} MiB",
+                        flush=True,
+                    )
+                    if isinstance(layer, FP8Linear):  # the same step replayed as one CUDA graph: no host overhead
+                        replay = cuda_graph_step(step)
+                        gms = bench_ms(replay)
+                        res[f"{lname}, CUDA graph"] = (gms, err, sb, gms)
+                        print(f"  {name:8s} {lname}, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:8s} {lname} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         bf = res.get("bf16 nn.Linear", (float("nan"),) * 4)
