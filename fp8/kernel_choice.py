@@ -40,5 +40,5 @@ def gemm_kernels(name: str) -> Iterator[None]:
         with GEMM_TUNING.override(sm90_fprop=SM90_WARP_SPECIALIZED):
             yield
         return
-    with GEMM_TUNING.override(sm90=None), GROUPED_TUNING.override(sm90=None, sm90_wgrad=None):
+    with GEMM_TUNING.override(sm90=None, sm90_fprop=None), GROUPED_TUNING.override(sm90=None, sm90_wgrad=None):
         yield

@@ -53,6 +53,8 @@ def test_auto_keeps_the_defaults_triton_turns_every_gluon_kernel_off_and_unknown
         assert _choices() == DEFAULTS
     with gemm_kernels("triton"):
         assert _choices() == (None, None, None, None)
+    with gemm_kernels("gluon_ws"), gemm_kernels("triton"):  # inside another choice too
+        assert _choices() == (None, None, None, None)
     assert _choices() == DEFAULTS
     with pytest.raises(ValueError, match=r"fp8.gemm_kernel='cublas' is unknown \(known: auto, triton, gluon_ws\)"):
         with gemm_kernels("cublas"):
