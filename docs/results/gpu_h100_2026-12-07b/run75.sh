@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# sixteenth session, call 1: on an H200 the whole GPU suite at HEAD (on an H100 the kernels changed since the
+# thirteenth session's H200 run), then the bf16 / fp8 / fp8_ws step rows, fp8's two profiled, then the launch micro-benchmark,
+# with the allocator-retry column (micro-batch 4 on an H200, 2 on an H100)
+set -uo pipefail
+[ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v -e bitsandbytes -e torchao) 2>&1 | tail -1
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:. LING_TEST_GPU=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee $OUT/gpu.txt
+git log --oneline -1 | tee $OUT/commit.txt
+(while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,utilization.gpu,clocks_event_reasons.active --format=csv,noheader; done) > $OUT/clocks.csv 2>/dev/null &
+CLK=$!
+MB=4; SEL=(); grep -q H100 $OUT/gpu.txt && { MB=2; SEL=(-k "warp or clock or kernel_choice or retries"); }
+date +%T; timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ "${SEL[@]}" > $OUT/gpu_tests.log 2>&1; echo "tests rc $?"
+grep -E "passed|failed|FAILED|ERROR" $OUT/gpu_tests.log | tail -12
+V="fp8@$MB fp8_ws@$MB bf16@$MB"; grep -q H100 $OUT/gpu.txt && V="fp8@$MB fp8_ws@$MB"
+for v in $V; do
+  left=$(( 560 - SECONDS )); [ $left -lt 60 ] && { echo "$v skipped: $left s left"; continue; }
+  prof=(--profile $v); [ ${v%@*} = bf16 ] && prof=()
+  f=step_${v%@*}_mb${v#*@}.log
+  date +%T; timeout $left python3 bench/bench_train.py --model ling_mini_2_0_e64 --recompute none --steps 4 --warmup 1 \
+    --variants $v "${prof[@]}" > $OUT/$f 2>&1; echo "$v rc $?"; grep -E "^\| (variant|fp8|bf16)" $OUT/$f
+done
+left=$(( 590 - SECONDS )); [ $left -gt 30 ] && { date +%T; timeout $left python3 scratch/launch_cost.py > $OUT/launch_cost.log 2>&1; echo "launch rc $?"; grep -v -i warn $OUT/launch_cost.log | head -24; }
+kill $CLK
+for f in $OUT/step_*.log; do echo "== $f"; grep -E "^\| (part|dense linears|experts|router|other|attention|total|LM head|dispatch|optimizer) |GPU busy|wait" $f | head -24; done; date +%T
