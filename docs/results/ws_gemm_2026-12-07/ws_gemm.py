@@ -8,6 +8,7 @@ Run on the GPU: python scratch/ws_gemm.py
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -22,7 +23,7 @@ from bench_fp8_linear import SHAPES, cublas_blockwise, gemm_operands  # noqa: E4
 from bench_moe import INTER, TOPK, H, routing  # noqa: E402
 
 from fp8 import grouped as G  # noqa: E402
-from fp8.gemm import GEMM_TUNING, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
+from fp8.gemm import GEMM_TUNING, default_gemm_config, fp8_gemm, fp8_gemm_wgrad  # noqa: E402
 from fp8.gemm_sm90 import Sm90GemmConfig, fp8_gemm_sm90  # noqa: E402
 from fp8.quant import quantize_1x128  # noqa: E402
 from model.dispatch import plan_dispatch  # noqa: E402
@@ -96,8 +97,12 @@ def main() -> None:
                 with GEMM_TUNING.override(sm90=None):
                     ours = (functools.partial(fp8_gemm, a, a_s, b, b_s, od) if bw
                             else functools.partial(fp8_gemm_wgrad, a, a_s, b, b_s, od))  # fmt: skip
-                    ref = ours()
                     t_ours = bench(ours)
+                    # the bit reference sums each output's K blocks in one pass, as the Gluon kernel does (ours may
+                    # split a wgrad's token reduction, which sums in another order)
+                    ref = ours() if bw else fp8_gemm_wgrad(
+                        a, a_s, b, b_s, od,
+                        config=dataclasses.replace(default_gemm_config(a.shape[0], "wgrad", od), split_k=1))
                 flops = 2.0 * a.shape[0] * b.shape[0] * a.shape[1]
                 try:
                     t_cub = bench(lambda: cublas_blockwise(a, a_s, b, b_s, bw, od))  # noqa: B023
