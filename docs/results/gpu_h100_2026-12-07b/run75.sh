@@ -12,14 +12,14 @@ CLK=$!
 MB=4; SEL=(); grep -q H100 $OUT/gpu.txt && { MB=2; SEL=(-k "warp or clock or kernel_choice or retries"); }
 date +%T; timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ "${SEL[@]}" > $OUT/gpu_tests.log 2>&1; echo "tests rc $?"
 grep -E "passed|failed|FAILED|ERROR" $OUT/gpu_tests.log | tail -12
-V="fp8@$MB fp8_ws@$MB bf16@$MB"; grep -q H100 $OUT/gpu.txt && V="fp8@$MB fp8_ws@$MB"
+V="fp8@$MB bf16@$MB fp8_ws@$MB"; grep -q H100 $OUT/gpu.txt && V="fp8@$MB fp8_ws@$MB"
 for v in $V; do
-  left=$(( 560 - SECONDS )); [ $left -lt 60 ] && { echo "$v skipped: $left s left"; continue; }
-  prof=(--profile $v); [ ${v%@*} = bf16 ] && prof=()
+  left=$(( ${LIMIT:-590} - 30 - SECONDS )); [ $left -lt 60 ] && { echo "$v skipped: $left s left"; continue; }
+  prof=(--profile $v); [ ${v%@*} = bf16 ] && prof=(); [ ${v%@*} = fp8_ws ] && [ $MB = 4 ] && prof=()
   f=step_${v%@*}_mb${v#*@}.log
   date +%T; timeout $left python3 bench/bench_train.py --model ling_mini_2_0_e64 --recompute none --steps 4 --warmup 1 \
     --variants $v "${prof[@]}" > $OUT/$f 2>&1; echo "$v rc $?"; grep -E "^\| (variant|fp8|bf16)" $OUT/$f
 done
-left=$(( 590 - SECONDS )); [ $left -gt 30 ] && { date +%T; timeout $left python3 scratch/launch_cost.py > $OUT/launch_cost.log 2>&1; echo "launch rc $?"; grep -v -i warn $OUT/launch_cost.log | head -24; }
+left=$(( ${LIMIT:-590} - SECONDS )); [ $MB = 2 ] && [ $left -gt 30 ] && { date +%T; timeout $left python3 scratch/launch_cost.py > $OUT/launch_cost.log 2>&1; echo "launch rc $?"; grep -v -i warn $OUT/launch_cost.log | head -24; }
 kill $CLK
 for f in $OUT/step_*.log; do echo "== $f"; grep -E "^\| (part|dense linears|experts|router|other|attention|total|LM head|dispatch|optimizer) |GPU busy|wait" $f | head -24; done; date +%T
