@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# sixteenth session, call 1: on an H200 the whole GPU suite at HEAD (on an H100 the kernels changed since the
-# thirteenth session's H200 run), then the bf16 / fp8 / fp8_ws step rows, fp8's two profiled, then the launch micro-benchmark,
-# with the allocator-retry column (micro-batch 4 on an H200, 2 on an H100)
+# sixteenth session, call 1 (ran on an H100 as its first form; this form adds LIMIT and the H200 order): on an H200
+# every GPU test, then fp8@4 (profiled), bf16@4 and fp8_ws@4; on an H100 the warp-specialised / kernel-choice /
+# clock / allocator-retry GPU tests, fp8@2 and fp8_ws@2 (both profiled), then the launch micro-benchmark.
+# LIMIT: the seconds the call may take (default 590).
 set -uo pipefail
 [ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v -e bitsandbytes -e torchao) 2>&1 | tail -1
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:. LING_TEST_GPU=1
