@@ -2,11 +2,7 @@
 # sixteenth session, call 2 (an H200): the step rows without MTP at micro-batch 4, and the fastest rows (the largest
 # micro-batches that fit in the earlier @max searches, with expandable segments), one invocation each
 set -uo pipefail
-[ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v -e bitsandbytes -e torchao) 2>&1 | tail -1
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:.
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-(while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,utilization.gpu,clocks_event_reasons.active --format=csv,noheader; done) > $OUT/clocks.csv 2>/dev/null &
-CLK=$!
+source "$(dirname "$0")/common.sh"
 for v in ${ROWS:-fp8_nomtp@4 bf16_nomtp@4 fp8@12 bf16@5}; do
   left=$(( 585 - SECONDS )); [ $left -lt 60 ] && { echo "$v skipped: $left s left"; continue; }
   env=(); case $v in *@12|bf16@5) env=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True);; esac

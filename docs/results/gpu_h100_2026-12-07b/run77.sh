@@ -2,11 +2,7 @@
 # sixteenth session, call 3: the parts' tables of issue #29 (bench_moe at 256 experts with the gluon_ws rows,
 # bench_fp8_linear's GEMMs against cuBLAS and its layer table) on whichever GPU came
 set -uo pipefail
-[ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v -e bitsandbytes -e torchao) 2>&1 | tail -1
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:.
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-(while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,utilization.gpu,clocks_event_reasons.active --format=csv,noheader; done) > $OUT/clocks.csv 2>/dev/null &
-CLK=$!
+source "$(dirname "$0")/common.sh"
 date +%T; timeout 260 python3 bench/bench_moe.py --out $OUT > $OUT/bench_moe.log 2>&1; echo "moe rc $?"
 left=$(( 590 - SECONDS )); date +%T; timeout $left python3 bench/bench_fp8_linear.py --out $OUT > $OUT/bench_fp8_linear.log 2>&1; echo "linear rc $?"
 kill $CLK
