@@ -2,14 +2,9 @@
 # sixteenth session, call 1 (ran on an H100 as its first form; this form adds LIMIT and the H200 order): on an H200
 # every GPU test, then fp8@4 (profiled), bf16@4 and fp8_ws@4; on an H100 the warp-specialised / kernel-choice /
 # clock / allocator-retry GPU tests, fp8@2 and fp8_ws@2 (both profiled), then the launch micro-benchmark.
-# LIMIT: the seconds the call may take (default 590).
+# LIMIT: the seconds the call may take (default 590). Run from the repository root.
 set -uo pipefail
-[ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl | grep -v -e bitsandbytes -e torchao) 2>&1 | tail -1
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=/tmp/site:. LING_TEST_GPU=1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-git log --oneline -1 | tee $OUT/commit.txt
-(while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.current.sm,power.draw,utilization.gpu,clocks_event_reasons.active --format=csv,noheader; done) > $OUT/clocks.csv 2>/dev/null &
-CLK=$!
+source "$(dirname "$0")/common.sh"
 MB=4; SEL=(); grep -q H100 $OUT/gpu.txt && { MB=2; SEL=(-k "warp or clock or kernel_choice or retries"); }
 date +%T; timeout 240 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ "${SEL[@]}" > $OUT/gpu_tests.log 2>&1; echo "tests rc $?"
 grep -E "passed|failed|FAILED|ERROR" $OUT/gpu_tests.log | tail -12
