@@ -16,6 +16,6 @@ for v in $V; do
   date +%T; timeout $left python3 bench/bench_train.py --model ling_mini_2_0_e64 --recompute none --steps 4 --warmup 1 \
     --variants $v "${prof[@]}" > $OUT/$f 2>&1; echo "$v rc $?"; grep -E "^\| (variant|fp8|bf16)" $OUT/$f
 done
-left=$(( ${LIMIT:-590} - SECONDS )); [ $MB = 2 ] && [ $left -gt 30 ] && { date +%T; timeout $left python3 scratch/launch_cost.py > $OUT/launch_cost.log 2>&1; echo "launch rc $?"; grep -v -i warn $OUT/launch_cost.log | head -24; }
+left=$(( ${LIMIT:-590} - SECONDS )); [ $MB = 2 ] && [ $left -gt 30 ] && { date +%T; timeout $left python3 docs/results/gpu_h100_2026-12-07/launch_cost.py > $OUT/launch_cost.log 2>&1; echo "launch rc $?"; grep -v -i warn $OUT/launch_cost.log | head -24; }
 kill $CLK
 for f in $OUT/step_*.log; do echo "== $f"; grep -E "^\| (part|dense linears|experts|router|other|attention|total|LM head|dispatch|optimizer) |GPU busy|wait" $f | head -24; done; date +%T
