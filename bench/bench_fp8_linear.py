@@ -292,6 +292,26 @@ def cuda_graph_step(step):
 WS_LAYER = "ours FP8Linear, Gluon warp-specialised"
 
 
+def time_layer(label: str, layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, ref_y: torch.Tensor,
+               flops: float) -> dict[str, tuple[float, float, int, float]]:
+    """{row suffix: (wall ms, forward relative error, saved bytes, GPU busy ms)} of one layer's forward + backward
+    on x [M, K] with output gradient g [M, N]: "" for the eager step and, for an FP8Linear, ", CUDA graph" for the
+    same step replayed from one graph (no host overhead). `label` names the row in the progress lines."""
+    step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
+    err = float(relative_error(layer(x), ref_y))
+    ms = bench_ms(step)
+    busy = gpu_busy_ms(step)
+    sb = saved_bytes(layer, x)
+    out = {"": (ms, err, sb, busy)}
+    print(f"  {label:35s} {tflops(flops, ms):7.1f} TFLOPS (GPU busy {tflops(flops, busy):.0f}) fwd err {err:.2e} "
+          f"saved {sb / 2**20:.1f} MiB", flush=True)  # fmt: skip
+    if isinstance(layer, FP8Linear):
+        gms = bench_ms(cuda_graph_step(step))
+        out[", CUDA graph"] = (gms, err, sb, gms)
+        print(f"  {label}, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
+    return out
+
+
 def run_layers(m: int, log: dict) -> list[list[str]]:
     rows = []
     try:
@@ -320,28 +340,11 @@ def run_layers(m: int, log: dict) -> list[list[str]]:
                     print(f"torchao use_triton={ut} construct failed: {e}", flush=True)
         res = {}
         for lname, layer in layers.items():
-
-            step = layer_step(layer, x, g)  # FP8: the weight quantization counts in every step
             try:
                 # the row's GEMM kernels, chosen once around all its timing (the choice holds in every thread)
                 with gemm_kernels("gluon_ws" if lname == WS_LAYER else "auto"):
-                    y = layer(x)
-                    err = float(relative_error(y, ref_y))
-                    del y
-                    ms = bench_ms(step)
-                    busy = gpu_busy_ms(step)
-                    sb = saved_bytes(layer, x)
-                    res[lname] = (ms, err, sb, busy)
-                    print(
-                        f"  {name:8s} {lname:26s} {tflops(flops, ms):7.1f} TFLOPS (GPU busy {tflops(flops, busy):.0f}) "
-                        f"fwd err {err:.2e} saved {sb / 2**20:.1f} MiB",
-                        flush=True,
-                    )
-                    if isinstance(layer, FP8Linear):  # the same step replayed as one CUDA graph: no host overhead
-                        replay = cuda_graph_step(step)
-                        gms = bench_ms(replay)
-                        res[f"{lname}, CUDA graph"] = (gms, err, sb, gms)
-                        print(f"  {name:8s} {lname}, CUDA graph {tflops(flops, gms):7.1f} TFLOPS", flush=True)
+                    rows_of_layer = time_layer(f"{name:8s} {lname}", layer, x, g, ref_y, flops)
+                res.update({lname + suffix: row for suffix, row in rows_of_layer.items()})
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:8s} {lname} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         bf = res.get("bf16 nn.Linear", (float("nan"),) * 4)
